@@ -1,0 +1,18 @@
+"""nanovllm: a small, readable offline LLM inference engine.
+
+    from nanovllm import LLM, SamplingParams
+
+`LLM` is imported on first use, so the torch-free control plane (`nanovllm.core`)
+can be imported without pulling in torch.
+"""
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from nanovllm.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

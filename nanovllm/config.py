@@ -1,0 +1,108 @@
+"""Engine configuration: one dataclass, validated in __post_init__ with ValueError.
+
+Values discovered at run time (the number of KV-cache blocks, the EOS ids) are
+returned by the parts that find them; they are never written back here.
+"""
+import os
+from dataclasses import dataclass, field, fields
+
+from transformers import AutoConfig, PretrainedConfig
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class Config:
+    """Every field, its default and its meaning is listed in README.md."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1           # -1: as many as the memory allows
+    device: str = "auto"
+    dtype: str = "auto"                    # "auto": the checkpoint's dtype
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+    enable_prefix_caching: bool = True
+    cpu_kvcache_space_gib: float = 4.0     # KV-cache budget on the CPU
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.model = os.path.expanduser(str(self.model))
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model must be a directory holding config.json; "
+                             f"{self.model!r} is not (no model is downloaded)")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                     "kvcache_block_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
+        _check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1)
+        if self.num_kvcache_blocks == 0:
+            raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
+        _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not _is_number(self.cpu_kvcache_space_gib) or self.cpu_kvcache_space_gib <= 0:
+            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
+                              ("attention_backend", ATTENTION_BACKENDS),
+                              ("load_format", LOAD_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    @classmethod
+    def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
+        """Build a Config, refusing unknown keyword arguments by name."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown argument(s) {', '.join(unknown)}; "
+                            f"Config accepts: {', '.join(sorted(known - {'model'}))}")
+        return cls(model, **kwargs)
+
+
+def checkpoint_dtype(hf_config: PretrainedConfig) -> str:
+    """The checkpoint's dtype name: `dtype` (transformers 5) or `torch_dtype` (4)."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if dtype is None:
+        return "float32"
+    return str(dtype).removeprefix("torch.")
+
+
+def rope_parameters(hf_config: PretrainedConfig) -> dict:
+    """RoPE settings from either config style: `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (transformers 4)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params.update(getattr(hf_config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_fraction(name: str, value: object) -> None:
+    if not _is_number(value) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")

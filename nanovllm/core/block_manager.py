@@ -1,0 +1,180 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, a free list, ref counts, and a
+prefix cache that lets sequences share the blocks of a common prompt prefix.
+
+A token at position p of a sequence lives in cache slot
+
+    block_table[p // block_size] * block_size + p % block_size
+
+Prefix caching: once a full block's KV has been computed, the block gets a hash that
+chains the previous block's hash with its own token ids, so equal hashes mean equal
+prefixes. A new sequence looks its full blocks up by hash, in order, and confirms each
+hit by comparing token ids and the predecessor block, so a hash collision can cost a
+cache miss but never hand out wrong KV. A freed block keeps its hash and content
+until the free list hands it out again, so a later request can still revive it.
+"""
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import xxhash
+
+from nanovllm.core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None              # set once the block is full and its KV computed
+    token_ids: tuple[int, ...] = ()      # the tokens behind `hash`, to confirm hits
+    parent_id: int | None = None         # the block before this one when it was hashed
+
+    def reset(self) -> None:
+        self.hash = None
+        self.token_ids = ()
+        self.parent_id = None
+
+
+def compute_block_hash(token_ids: list[int], parent_hash: int | None) -> int:
+    """xxhash64 over (the previous block's hash, this block's token ids)."""
+    h = xxhash.xxh64()
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        # Insertion-ordered: blocks freed longest ago are handed out first (LRU eviction
+        # of cached content); reviving a cached free block is an O(1) delete.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_cache_hit_blocks = 0    # statistics: full blocks reused from the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    # -- prefill ------------------------------------------------------------------
+
+    def get_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Ids of the blocks holding the longest cached prefix of seq's full blocks."""
+        if not self.enable_prefix_caching:
+            return []
+        cached: list[int] = []
+        parent_hash = parent_id = None
+        for i in range(len(seq) // self.block_size):
+            token_ids = seq.block(i)
+            h = compute_block_hash(token_ids, parent_hash)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_id != parent_id or block.token_ids != tuple(token_ids):
+                break  # a hash collision: recompute rather than trust it
+            cached.append(block_id)
+            parent_hash, parent_id = h, block_id
+        return cached
+
+    def can_allocate(self, seq: Sequence, cached_blocks: list[int]) -> bool:
+        # Reviving a cached block that nobody holds takes it off the free list too.
+        num_revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        return seq.num_blocks - len(cached_blocks) + num_revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached_blocks: list[int]) -> None:
+        """Give seq a block table covering all its tokens, reusing `cached_blocks`."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        new_blocks = [self._take_free_block() for _ in range(seq.num_blocks - len(cached_blocks))]
+        seq.block_table = cached_blocks + new_blocks
+        # Even a fully cached prompt computes its last token: its logits are needed.
+        seq.num_cached_tokens = min(len(cached_blocks) * self.block_size, len(seq) - 1)
+        self.num_cache_hit_blocks += len(cached_blocks)
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Freed in reverse so a sequence's tail blocks are evicted before its head,
+        # which other prompts are more likely to share.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    # -- decode -------------------------------------------------------------------
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the token at position len(seq) - 1 has (or can get) a slot."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+
+    def may_append(self, seq: Sequence) -> None:
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block())
+
+    # -- after a step -------------------------------------------------------------
+
+    def cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Hash seq's blocks that became full when tokens [start, end) got their KV."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(start // self.block_size, end // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is not None:
+                continue  # reused from the cache, already hashed
+            parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
+            token_ids = seq.block(i)
+            block.hash = compute_block_hash(token_ids, parent.hash if parent else None)
+            block.token_ids = tuple(token_ids)
+            block.parent_id = parent.block_id if parent else None
+            # The first block to reach a hash keeps it; an identical twin computed in
+            # the same step stays private and is simply not shared.
+            self.hash_to_block.setdefault(block.hash, block.block_id)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]  # its cached content is evicted now
+        block.reset()
+        block.ref_count = 1
+        return block_id
+
+    def check_integrity(self, seqs: Iterable[Sequence]) -> None:
+        """Assert the invariants, given every sequence that holds blocks."""
+        refs = [0] * self.num_blocks
+        for seq in seqs:
+            # Every token but a just-sampled last one has (or is getting) a slot.
+            assert len(seq.block_table) * self.block_size >= len(seq) - 1, \
+                f"sequence {seq.seq_id}'s block table does not cover its tokens"
+            for i, block_id in enumerate(seq.block_table):
+                refs[block_id] += 1
+                block = self.blocks[block_id]
+                assert block.hash is None or block.token_ids == tuple(seq.block(i)), \
+                    f"block {block_id} is hashed for other tokens than sequence {seq.seq_id}'s"
+        for block in self.blocks:
+            is_free = block.block_id in self.free_block_ids
+            assert is_free != (block.ref_count > 0), f"block {block.block_id}: free xor referenced"
+            assert block.ref_count == refs[block.block_id], \
+                f"block {block.block_id}: ref count {block.ref_count} != {refs[block.block_id]} holders"
+        for h, block_id in self.hash_to_block.items():
+            block = self.blocks[block_id]
+            assert block.hash == h and len(block.token_ids) == self.block_size, \
+                f"hash map entry for block {block_id} is stale"

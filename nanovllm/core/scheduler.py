@@ -1,0 +1,163 @@
+"""Decides what runs each step: a prefill batch if any prompt work can run, else one
+decode token for every running sequence.
+
+Prefill under a token budget (`max_num_batched_tokens`), prompts taken first come,
+first served; a prompt longer than what is left of the budget is prefilled in chunks
+over several steps:
+
+    step 1: [ chunk 1 (budget) ]
+    step 2:                    [ chunk 2 ]
+    step 3:                               [ last chunk ] -> first completion token
+
+Only the sequence admitted last in a step can be left part-way, so at most one
+sequence is mid-prefill between steps, and it is always the newest in `running`.
+
+Decode when no prompt work can run. A sequence whose next token needs a new block
+when none is free preempts the newest running sequence: its blocks are freed and it
+goes back to the front of the waiting queue, to be recomputed (with whatever the
+prefix cache still holds) later.
+"""
+from collections import deque
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, SequenceStatus
+
+
+class ScheduledBatch(NamedTuple):
+    seqs: list[Sequence]
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_ids: Iterable[int] = ()):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse a request that could not run even with the whole cache to itself."""
+        if seq.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len="
+                f"{self.max_model_len}; shorten it or raise max_model_len")
+        # The last sampled token never needs KV; the length is capped at max_model_len.
+        final_len = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens,
+                        max(self.max_model_len, seq.num_prompt_tokens + 1))
+        num_blocks = -(-(final_len - 1) // self.block_manager.block_size)
+        if num_blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {num_blocks} KV-cache blocks but the cache has only "
+                f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens, or give "
+                f"the cache more memory (num_kvcache_blocks / the memory budget)")
+
+    # -- schedule -----------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        seqs = self._schedule_prefill()
+        if seqs:
+            return ScheduledBatch(seqs, is_prefill=True)
+        seqs = self._schedule_decode()
+        if not seqs and not self.is_finished():
+            raise RuntimeError("scheduler found no runnable sequence although requests are pending")
+        return ScheduledBatch(seqs, is_prefill=False)
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        budget = self.max_num_batched_tokens
+        batch: list[Sequence] = []
+        if self.running and self.running[-1].is_prefill:
+            seq = self.running[-1]
+            budget -= self._schedule_chunk(seq, budget)
+            batch.append(seq)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # Look the prefix up first: the budget is spent only on uncached tokens.
+            cached_blocks = self.block_manager.get_cached_blocks(seq)
+            if not self.block_manager.can_allocate(seq, cached_blocks):
+                break
+            self.block_manager.allocate(seq, cached_blocks)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= self._schedule_chunk(seq, budget)
+            batch.append(seq)
+        return batch
+
+    @staticmethod
+    def _schedule_chunk(seq: Sequence, budget: int) -> int:
+        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+        return seq.num_scheduled_tokens
+
+    def _schedule_decode(self) -> list[Sequence]:
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
+        batch: list[Sequence] = []
+        while self.running and len(batch) < limit:
+            seq = self.running.popleft()
+            assert not seq.is_prefill, "a mid-prefill sequence must be scheduled by prefill"
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                batch.append(seq)
+        self.running.extendleft(reversed(batch))
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.is_prefill = True
+        seq.num_scheduled_tokens = 0
+        self.waiting.appendleft(seq)
+
+    # -- after the step -----------------------------------------------------------
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Record a step's results; return the sequences it finished."""
+        finished = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            start = seq.num_cached_tokens
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_blocks(seq, start, seq.num_cached_tokens)
+            if seq.num_cached_tokens < len(seq):
+                continue  # a prefill chunk that did not reach the end: no token yet
+            seq.is_prefill = False
+            seq.append_token(token_id)
+            if self._is_stopped(seq):
+                self._finish(seq)
+                finished.append(seq)
+        if finished:
+            self.running = deque(s for s in self.running if not s.is_finished)
+        return finished
+
+    def _is_stopped(self, seq: Sequence) -> bool:
+        params = seq.sampling_params
+        return ((not params.ignore_eos and seq.last_token in self.eos_token_ids)
+                or seq.num_completion_tokens >= params.max_tokens
+                or len(seq) >= self.max_model_len)
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.deallocate(seq)
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(self.running)

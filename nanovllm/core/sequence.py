@@ -1,0 +1,98 @@
+"""One request as the control plane sees it: token ids, how many have KV in the cache,
+how many run this step, and which cache blocks hold them.
+
+    token_ids:  [ prompt ............ | completion ...... ]
+                [ cached (KV in cache) | scheduled | rest ]
+                0              num_cached_tokens          num_tokens
+
+`num_cached_tokens` counts tokens whose K/V is already in the paged cache (from the
+prefix cache or an earlier step). A step computes `num_scheduled_tokens` tokens
+starting there; a prefill chunk that ends at `num_tokens` yields the next token.
+"""
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
+        "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
+        "block_size", "sampling_params",
+    )
+    _next_id = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+        self.seq_id = next(Sequence._next_id)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.last_token = self.token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = self.num_tokens
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        # True until the whole sequence has KV in the cache; set again on preemption.
+        self.is_prefill = True
+        self.block_table: list[int] = []
+        self.block_size = block_size
+        self.sampling_params = sampling_params
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token's KV."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of the i-th block (the last one may be partial)."""
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    # Workers need every token only while prefilling; decoding needs just the last one.
+    def __getstate__(self):
+        tokens = self.token_ids if self.is_prefill else self.last_token
+        return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+                self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
+                tokens)
+
+    def __setstate__(self, state) -> None:
+        (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+         self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
+         tokens) = state
+        if self.is_prefill:
+            self.token_ids = tokens
+            self.last_token = tokens[-1]
+        else:
+            self.token_ids = []
+            self.last_token = tokens
+        self.status = SequenceStatus.RUNNING
+        self.sampling_params = None

@@ -1,0 +1,188 @@
+"""Scheduler: prefill/decode batches, chunked prefill, preemption and whole
+lifecycles, driven by a fake runner and checked by plain Python reasoning."""
+import pytest
+
+from nanovllm.core import BlockManager, Scheduler, Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+from fake_runner import FakeRunner, run_until_done, step
+
+BS = 4
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
+                   max_model_len=1024, prefix_caching=True) -> Scheduler:
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     max_model_len=max_model_len, eos_token_ids=[EOS])
+
+
+def add(scheduler: Scheduler, tokens: list[int], max_tokens=4, ignore_eos=False) -> Sequence:
+    s = Sequence(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), BS)
+    scheduler.add(s)
+    return s
+
+
+def test_prefill_runs_before_decode_and_each_decode_step_adds_one_token():
+    sch, runner = make_scheduler(), FakeRunner()
+    a = add(sch, [1, 2, 3], max_tokens=3)
+    b = add(sch, [4, 5, 6, 7, 8], max_tokens=3)
+    step(sch, runner)
+    assert runner.batches[0] == ([a.seq_id, b.seq_id], [3, 5], True)
+    assert a.num_completion_tokens == 1 and not a.is_prefill
+    step(sch, runner)
+    assert runner.batches[1] == ([a.seq_id, b.seq_id], [1, 1], False)
+    run_until_done(sch, runner)
+    assert a.completion_token_ids == [1003, 1004, 1005]
+    assert a.is_finished and b.is_finished
+
+
+def test_prefill_batch_respects_max_num_seqs():
+    sch, runner = make_scheduler(max_num_seqs=2), FakeRunner()
+    seqs = [add(sch, [i + 1] * 3) for i in range(3)]
+    step(sch, runner)
+    assert runner.batches[0][0] == [seqs[0].seq_id, seqs[1].seq_id]
+    assert seqs[2].status == SequenceStatus.WAITING
+    run_until_done(sch, runner)
+    assert all(len(b[0]) <= 2 for b in runner.batches)
+
+
+def test_chunked_prefill_schedules_exact_chunks_across_steps():
+    sch, runner = make_scheduler(max_num_batched_tokens=8), FakeRunner()
+    long = add(sch, list(range(1, 21)), max_tokens=2)  # 20 tokens, budget 8
+    step(sch, runner)
+    assert long.num_cached_tokens == 8 and long.is_prefill and long.num_completion_tokens == 0
+    step(sch, runner)
+    assert long.num_cached_tokens == 16 and long.num_completion_tokens == 0
+    step(sch, runner)
+    assert long.num_completion_tokens == 1 and not long.is_prefill
+    assert [b[1] for b in runner.batches] == [[8], [8], [4]]
+    assert [b[2] for b in runner.batches] == [True, True, True]
+    run_until_done(sch, runner)
+    assert long.completion_token_ids == [1020, 1021]
+
+
+def test_chunk_shares_the_budget_with_newly_admitted_prompts():
+    sch, runner = make_scheduler(max_num_batched_tokens=8), FakeRunner()
+    a = add(sch, list(range(1, 11)))  # 10 tokens
+    b = add(sch, [50, 51, 52])
+    step(sch, runner)  # a: 8
+    step(sch, runner)  # a: last 2, then b: 3
+    assert runner.batches[1] == ([a.seq_id, b.seq_id], [2, 3], True)
+
+
+def test_budget_counts_only_uncached_tokens():
+    sch, runner = make_scheduler(max_num_batched_tokens=6), FakeRunner()
+    prefix = list(range(1, 13))  # three full blocks
+    first = add(sch, prefix + [99], max_tokens=1)
+    run_until_done(sch, runner)
+    second = add(sch, prefix + [98], max_tokens=1)
+    third = add(sch, [77, 78, 79, 80, 81], max_tokens=1)
+    runner.batches.clear()
+    step(sch, runner)
+    # second has 12 cached tokens and needs just 1; the rest of the budget goes to third.
+    assert runner.batches[0] == ([second.seq_id, third.seq_id], [1, 5], True)
+    assert first.is_finished
+
+
+def test_fully_cached_prompt_schedules_one_token():
+    sch, runner = make_scheduler(), FakeRunner()
+    prompt = list(range(1, 9))  # exactly two blocks
+    add(sch, prompt, max_tokens=1)
+    run_until_done(sch, runner)
+    again = add(sch, prompt, max_tokens=2)
+    runner.batches.clear()
+    step(sch, runner)
+    assert runner.batches[0] == ([again.seq_id], [1], True)
+    run_until_done(sch, runner)
+    assert again.completion_token_ids == [1008, 1009]
+
+
+def test_preemption_picks_the_newest_running_sequence_and_it_completes_later():
+    # 4 blocks of 4 tokens: two 4-token prompts take one block each, decoding takes
+    # the other two, and at length 9 both need a third block that does not exist.
+    sch, runner = make_scheduler(num_blocks=4, max_num_batched_tokens=16), FakeRunner()
+    a = add(sch, [1, 2, 3, 4], max_tokens=7, ignore_eos=True)
+    b = add(sch, [5, 6, 7, 8], max_tokens=7, ignore_eos=True)
+    step(sch, runner)  # prefill a, b -> 1 token each (len 5)
+    step(sch, runner)  # decode: each needs a second block -> 4 blocks used
+    assert sch.block_manager.num_free_blocks == 0
+    for _ in range(3):
+        step(sch, runner)  # decode len 6..8, still 2 blocks each
+    # len 9 needs a third block each: b (newest) is preempted to make room for a.
+    step(sch, runner)
+    assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.is_prefill
+    assert sch.waiting[0] is b and list(sch.running) == [a]
+    run_until_done(sch, runner)
+    assert a.completion_token_ids == list(range(1004, 1011))
+    assert b.completion_token_ids == list(range(1004, 1011))
+    assert sch.block_manager.num_free_blocks == 4
+
+
+def test_a_sequence_alone_that_cannot_grow_preempts_itself_rather_than_hang():
+    sch, runner = make_scheduler(num_blocks=2), FakeRunner()
+    a = add(sch, [1, 2, 3, 4], max_tokens=5, ignore_eos=True)  # 8 tokens of KV: 2 blocks
+    run_until_done(sch, runner)
+    assert a.num_completion_tokens == 5
+
+
+def test_eos_finishes_a_sequence_and_frees_its_blocks():
+    sch = make_scheduler()
+    a = add(sch, [1, 2, 3], max_tokens=10)
+    runner = FakeRunner(eos_after={a.seq_id: 6})
+    run_until_done(sch, runner)
+    assert a.completion_token_ids == [1003, 1004, EOS]
+    assert sch.block_manager.num_free_blocks == sch.block_manager.num_blocks
+
+
+def test_ignore_eos_keeps_going():
+    sch = make_scheduler()
+    a = add(sch, [1, 2, 3], max_tokens=5, ignore_eos=True)
+    run_until_done(sch, FakeRunner(eos_after={a.seq_id: 5}))
+    assert a.num_completion_tokens == 5 and a.completion_token_ids[-1] == EOS
+
+
+def test_generation_stops_at_max_model_len():
+    sch = make_scheduler(max_model_len=10)
+    a = add(sch, [1, 2, 3, 4, 5, 6], max_tokens=100)
+    run_until_done(sch, FakeRunner())
+    assert len(a) == 10
+
+
+def test_a_request_that_can_never_fit_is_refused_when_added():
+    sch = make_scheduler(num_blocks=2)
+    with pytest.raises(ValueError, match="KV-cache blocks"):
+        add(sch, list(range(1, 10)), max_tokens=1)  # 9 tokens need 3 blocks
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_scheduler(max_model_len=8).add(
+            Sequence(list(range(1, 10)), SamplingParams(), BS))
+    assert sch.is_finished()
+
+
+def test_scripted_workload_keeps_integrity_and_frees_every_block():
+    sch = make_scheduler(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=10)
+    runner = FakeRunner()
+    shared = list(range(1, 9))
+    seqs = [add(sch, shared + [100 + i] * (i % 5), max_tokens=3 + i % 4, ignore_eos=True)
+            for i in range(10)]
+    steps = run_until_done(sch, runner)  # step() checks integrity after every step
+    assert all(s.num_completion_tokens == 3 + i % 4 for i, s in enumerate(seqs))
+    bm = sch.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert steps < 100
+    assert bm.num_cache_hit_blocks > 0
+
+
+def test_sequence_pickles_all_tokens_while_prefilling_and_only_the_last_after():
+    import pickle
+    s = Sequence([1, 2, 3], SamplingParams(), BS)
+    s.block_table = [7]
+    copy = pickle.loads(pickle.dumps(s))
+    assert copy.token_ids == [1, 2, 3] and copy.block_table == [7]
+    s.is_prefill = False
+    s.append_token(9)
+    copy = pickle.loads(pickle.dumps(s))
+    assert copy.last_token == 9 and copy.token_ids == [] and len(copy) == 4
+    assert len(pickle.dumps(copy)) < len(pickle.dumps(Sequence(list(range(1000)), SamplingParams(), BS)))
