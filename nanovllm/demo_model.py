@@ -1,0 +1,109 @@
+"""Tiny random Qwen3 checkpoints, built offline: for `example.py` when no real model is
+present, and for the tests (which compare them with Hugging Face `transformers`).
+
+A checkpoint is a directory like a real one: config.json, model.safetensors,
+generation_config.json and a byte-level BPE tokenizer trained in about a second on the
+Python standard library's own sources. Its weights are random, so its text is noise.
+"""
+import json
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+DEMO_DIR = Path(os.path.expanduser("~/.cache/nanovllm/qwen3-tiny-demo-v1"))
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS_FILES = ("argparse.py", "textwrap.py", "random.py", "string.py", "os.py", "dataclasses.py")
+
+
+def build_tokenizer(path: str | Path, vocab_size: int = 512) -> int:
+    """Train and save a byte-level BPE tokenizer; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8") for name in _CORPUS_FILES]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                      pad_token="<|endoftext|>", chat_template=_CHAT_TEMPLATE)
+    wrapped.save_pretrained(str(path))
+    return tokenizer.get_vocab_size()
+
+
+def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2,
+                     num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                     intermediate_size: int = 128, tie_word_embeddings: bool = False,
+                     attention_bias: bool = False, max_position_embeddings: int = 1024,
+                     initializer_range: float = 0.08, config_style: str = "transformers5",
+                     seed: int = 0) -> Path:
+    """Write a random Qwen3 checkpoint with a tokenizer to `path` and return it.
+
+    `initializer_range` is large so logits are peaked and greedy decoding does not hinge
+    on near-ties; norm weights are perturbed away from 1 so a missing norm is caught.
+    `config_style="transformers4"` writes config.json with `rope_theta`/`torch_dtype`,
+    as real Qwen3 checkpoints do.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = build_tokenizer(path)
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
+        eos_token_id=_eos_token_id(path), bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.05 * torch.randn_like(param))
+    model.save_pretrained(str(path), safe_serialization=True)
+    if config_style == "transformers4":
+        _rewrite_as_transformers4(path / "config.json")
+    return path
+
+
+def _eos_token_id(path: Path) -> int:
+    """The id of the tokenizer's EOS token (<|im_end|>)."""
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    return vocab["<|im_end|>"]
+
+
+def _rewrite_as_transformers4(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    rope = config.pop("rope_parameters", None) or {}
+    config["rope_theta"] = rope.get("rope_theta", 10000.0)
+    config["rope_scaling"] = None
+    config["torch_dtype"] = str(config.pop("dtype", "float32"))
+    config["transformers_version"] = "4.51.0"
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def demo_checkpoint() -> Path:
+    """The demo checkpoint, built once under ~/.cache/nanovllm/."""
+    if not (DEMO_DIR / "model.safetensors").is_file():
+        # Built aside and renamed into place, so an interrupted build leaves no half checkpoint.
+        tmp = DEMO_DIR.with_name(f"{DEMO_DIR.name}.tmp{os.getpid()}")
+        build_tiny_qwen3(tmp, config_style="transformers4")
+        try:
+            tmp.rename(DEMO_DIR)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp)
+    return DEMO_DIR

@@ -1,0 +1,120 @@
+"""LLMEngine: the orchestrator. `step()` is the heartbeat:
+
+    schedule() -> run() -> postprocess()
+
+The scheduler (control plane) decides what runs, the model runner (data plane)
+computes one token per scheduled sequence, and postprocess records the results.
+"""
+import os
+from time import perf_counter
+from typing import NamedTuple
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from nanovllm.config import Config
+from nanovllm.core import BlockManager, Scheduler, Sequence
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class StepOutput(NamedTuple):
+    finished: list[tuple[int, list[int]]]  # (seq_id, completion token ids) finished this step
+    num_prefill_tokens: int                # prompt tokens computed this step
+    num_decode_tokens: int                 # decode tokens computed this step
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        self.config = config = Config.from_kwargs(model, kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.eos_token_ids = find_eos_token_ids(config, self.tokenizer)
+        self.model_runner = ModelRunner(config)
+        block_manager = BlockManager(self.model_runner.num_kvcache_blocks,
+                                     config.kvcache_block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=config.max_model_len,
+                                   eos_token_ids=self.eos_token_ids)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+        """Queue one request; returns its seq_id."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        seq = Sequence(token_ids, sampling_params or SamplingParams(), self.config.kvcache_block_size)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def step(self) -> StepOutput:
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        return StepOutput([(seq.seq_id, seq.completion_token_ids) for seq in finished],
+                          num_prefill_tokens=num_tokens if is_prefill else 0,
+                          num_decode_tokens=0 if is_prefill else num_tokens)
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def generate(self, prompts: list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Run every prompt to completion; outputs come back in prompt order as
+        {"text": str, "token_ids": list[int]}."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} "
+                             "prompts; pass one, or one per prompt")
+        seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        outputs = self._run_to_completion(len(prompts), use_tqdm)
+        return [{"text": self.tokenizer.decode(outputs[i]), "token_ids": outputs[i]}
+                for i in seq_ids]
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[int, list[int]]:
+        outputs: dict[int, list[int]] = {}
+        with tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            prefill_speed = decode_speed = 0.0
+            while not self.is_finished():
+                start = perf_counter()
+                out = self.step()
+                elapsed = perf_counter() - start
+                if out.num_prefill_tokens:
+                    prefill_speed = out.num_prefill_tokens / elapsed
+                if out.num_decode_tokens:
+                    decode_speed = out.num_decode_tokens / elapsed
+                bar.set_postfix(prefill=f"{prefill_speed:.0f}tok/s", decode=f"{decode_speed:.0f}tok/s")
+                for seq_id, token_ids in out.finished:
+                    outputs[seq_id] = token_ids
+                    bar.update(1)
+        return outputs
+
+    def close(self) -> None:
+        """Release the KV cache and the model's device memory; harmless to call twice."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.close()
+            self.model_runner = None
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def find_eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokenizer's EOS plus generation_config.json's (an int or a list), as
+    `transformers` generate() stops on; config.json's when there is no generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if os.path.isfile(os.path.join(config.model, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
+    else:
+        eos = getattr(config.hf_config, "eos_token_id", None)
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return ids
