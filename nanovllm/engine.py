@@ -87,7 +87,8 @@ class LLMEngine:
                     prefill_speed = out.num_prefill_tokens / elapsed
                 if out.num_decode_tokens:
                     decode_speed = out.num_decode_tokens / elapsed
-                bar.set_postfix(prefill=f"{prefill_speed:.0f}tok/s", decode=f"{decode_speed:.0f}tok/s")
+                bar.set_postfix(prefill=f"{prefill_speed:.0f}tok/s", decode=f"{decode_speed:.0f}tok/s",
+                                refresh=False)
                 for seq_id, token_ids in out.finished:
                     outputs[seq_id] = token_ids
                     bar.update(1)

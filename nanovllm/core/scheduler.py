@@ -41,6 +41,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0  # statistics
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -122,6 +123,7 @@ class Scheduler:
         return batch
 
     def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         seq.is_prefill = True
