@@ -14,10 +14,9 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from nanovllm.config import Config
 from nanovllm.core import BlockManager, Scheduler, Sequence
+from nanovllm.inputs import Prompt, as_params_list, as_prompt_list, check_params, check_token_ids
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
-
-Prompt = str | list[int]
 
 
 class StepOutput(NamedTuple):
@@ -40,17 +39,45 @@ class LLMEngine:
                                    eos_token_ids=self.eos_token_ids)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
-        """Queue one request; returns its seq_id."""
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), self.config.kvcache_block_size)
+        """Queue one request; returns its seq_id. Bad input raises before anything is queued."""
+        params = SamplingParams() if sampling_params is None else check_params(sampling_params)
+        self._check_open()
+        seq = self._make_sequence(prompt, params)
         self.scheduler.add(seq)
         return seq.seq_id
 
+    def _make_sequence(self, prompt: object, params: SamplingParams,
+                       index: int | None = None) -> Sequence:
+        """Tokenize and check one request without queueing it."""
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt)
+        token_ids = check_token_ids(prompt, self.config.hf_config.vocab_size, index)
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
+        try:
+            self.scheduler.check_fits(seq)
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}" if index is not None else str(e)) from None
+        return seq
+
+    def abort_request(self, seq_id: int) -> bool:
+        """Drop a pending request and free its KV blocks; False if it is not pending."""
+        return self.scheduler.abort(seq_id)
+
+    def _check_open(self) -> None:
+        if self.model_runner is None:
+            raise RuntimeError("this engine is closed; create a new LLM to generate again")
+
     def step(self) -> StepOutput:
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        self._check_open()
+        try:
+            seqs, is_prefill = self.scheduler.schedule()
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+            token_ids = self.model_runner.run(seqs, is_prefill)
+            finished = self.scheduler.postprocess(seqs, token_ids)
+        except BaseException:
+            # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
+            self.scheduler.abort_all()
+            raise
         return StepOutput([(seq.seq_id, seq.completion_token_ids) for seq in finished],
                           num_prefill_tokens=num_tokens if is_prefill else 0,
                           num_decode_tokens=0 if is_prefill else num_tokens)
@@ -58,26 +85,32 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def generate(self, prompts: list[Prompt],
+    def generate(self, prompts: list[Prompt] | str,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Run every prompt to completion; outputs come back in prompt order as
-        {"text": str, "token_ids": list[int]}."""
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} "
-                             "prompts; pass one, or one per prompt")
-        seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        outputs = self._run_to_completion(len(prompts), use_tqdm)
-        return [{"text": self.tokenizer.decode(outputs[i]), "token_ids": outputs[i]}
-                for i in seq_ids]
+        {"text": str, "token_ids": list[int]}. Every prompt is checked before any is
+        queued: one bad prompt rejects the call with an error naming its index."""
+        self._check_open()
+        prompts = as_prompt_list(prompts)
+        params = as_params_list(sampling_params, len(prompts))
+        seqs = [self._make_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        try:
+            outputs = self._run_to_completion({seq.seq_id for seq in seqs}, use_tqdm)
+        except BaseException:  # e.g. KeyboardInterrupt: leave no request of ours behind
+            for seq in seqs:
+                self.scheduler.abort(seq.seq_id)
+            raise
+        return [{"text": self.tokenizer.decode(outputs[seq.seq_id]),
+                 "token_ids": outputs[seq.seq_id]} for seq in seqs]
 
-    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[int, list[int]]:
+    def _run_to_completion(self, seq_ids: set[int], use_tqdm: bool) -> dict[int, list[int]]:
+        """Step until the engine is idle; the outputs of `seq_ids`."""
         outputs: dict[int, list[int]] = {}
-        with tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+        with tqdm(total=len(seq_ids), desc="Generating", dynamic_ncols=True,
+                  disable=not use_tqdm) as bar:
             prefill_speed = decode_speed = 0.0
             while not self.is_finished():
                 start = perf_counter()
@@ -90,8 +123,9 @@ class LLMEngine:
                 bar.set_postfix(prefill=f"{prefill_speed:.0f}tok/s", decode=f"{decode_speed:.0f}tok/s",
                                 refresh=False)
                 for seq_id, token_ids in out.finished:
-                    outputs[seq_id] = token_ids
-                    bar.update(1)
+                    if seq_id in seq_ids:
+                        outputs[seq_id] = token_ids
+                        bar.update(1)
         return outputs
 
     def close(self) -> None:

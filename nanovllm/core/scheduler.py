@@ -161,5 +161,27 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
 
+    # -- aborting -----------------------------------------------------------------
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a pending request and free its blocks; False if it is not pending."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)  # O(n), but aborting is rare and off the step path
+                    self._finish(seq)
+                    return True
+        return False
+
+    def abort_all(self) -> list[int]:
+        """Drop every pending request (after a failed step); returns their ids."""
+        seqs = [*self.waiting, *self.running]
+        self.waiting.clear()
+        self.running.clear()
+        for seq in seqs:
+            seq.num_scheduled_tokens = 0
+            self._finish(seq)
+        return [seq.seq_id for seq in seqs]
+
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.running)

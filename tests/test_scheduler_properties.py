@@ -1,0 +1,109 @@
+"""Property-based tests: the real Scheduler and BlockManager, driven by a fake runner
+through random workloads (arrivals at random steps, shared prefixes, tiny block pools and
+token budgets, EOS, aborts). Invariants are checked after every step."""
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanovllm.core import BlockManager, Scheduler, Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+from fake_runner import FakeRunner
+
+EOS = 0
+MAX_STEPS = 5000
+
+tokens = st.lists(st.integers(1, 4), max_size=14)  # a tiny alphabet: many equal blocks
+request = st.fixed_dictionaries({
+    "arrival": st.integers(0, 25),
+    "prefix": st.integers(0, 2),
+    "own": tokens,
+    "max_tokens": st.integers(1, 16),
+    "ignore_eos": st.booleans(),
+    "eos_at": st.one_of(st.none(), st.integers(1, 40)),    # runner emits EOS at this length
+    "abort_at": st.one_of(st.none(), st.integers(0, 60)),  # step at which it is aborted
+})
+workload = st.fixed_dictionaries({
+    "block_size": st.integers(1, 6),
+    "num_blocks": st.integers(1, 16),
+    "max_num_seqs": st.integers(1, 5),
+    "budget": st.integers(1, 24),
+    "max_model_len": st.integers(2, 48),
+    "prefix_caching": st.booleans(),
+    "prefixes": st.lists(tokens, min_size=3, max_size=3),
+    "requests": st.lists(request, min_size=1, max_size=10),
+})
+
+
+def expected_length(prompt_len: int, r: dict, max_model_len: int) -> int:
+    """Completion tokens a request must end with, by the stop rules alone."""
+    n = min(r["max_tokens"], max(max_model_len, prompt_len + 1) - prompt_len)
+    if not r["ignore_eos"] and r["eos_at"] is not None:
+        n = min(n, max(1, r["eos_at"] - prompt_len))
+    return n
+
+
+def never_fits(prompt_len: int, r: dict, w: dict) -> bool:
+    if prompt_len > w["max_model_len"]:
+        return True
+    final_len = prompt_len + expected_length(prompt_len, dict(r, ignore_eos=True), w["max_model_len"])
+    kv_tokens = final_len - 1  # the last sampled token never needs a slot
+    return -(-kv_tokens // w["block_size"]) > w["num_blocks"]
+
+
+def check_step(scheduler: Scheduler, batch_seqs: list[Sequence], num_tokens: int, w: dict,
+               all_seqs: list[Sequence]) -> None:
+    scheduler.check_integrity()  # free xor referenced, ref counts, coverage, hash entries
+    assert batch_seqs, "an empty batch while work was pending"
+    assert len(batch_seqs) <= w["max_num_seqs"]
+    assert num_tokens <= w["budget"]
+    assert len(scheduler.running) <= w["max_num_seqs"]
+    for seq in all_seqs:
+        if seq.status != SequenceStatus.RUNNING:
+            assert seq.block_table == [], f"sequence {seq.seq_id} holds blocks while {seq.status}"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload)
+def test_random_workloads_keep_invariants_and_finish(w):
+    bm = BlockManager(w["num_blocks"], w["block_size"], enable_prefix_caching=w["prefix_caching"])
+    scheduler = Scheduler(bm, max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
+                          max_model_len=w["max_model_len"], eos_token_ids=[EOS])
+    runner = FakeRunner(eos=EOS)
+    admitted: list[tuple[Sequence, dict]] = []
+    aborted: set[int] = set()
+    last_arrival = max(r["arrival"] for r in w["requests"])
+    for step in range(MAX_STEPS):
+        for r in (r for r in w["requests"] if r["arrival"] == step):
+            prompt = (w["prefixes"][r["prefix"]] + r["own"]) or [1]
+            seq = Sequence(prompt, SamplingParams(max_tokens=r["max_tokens"],
+                                                  ignore_eos=r["ignore_eos"]), w["block_size"])
+            if r["eos_at"] is not None:
+                runner.eos_after[seq.seq_id] = r["eos_at"]
+            try:
+                scheduler.add(seq)
+            except ValueError:
+                assert never_fits(len(prompt), r, w)
+                continue
+            assert not never_fits(len(prompt), r, w)
+            admitted.append((seq, r))
+        for seq, r in admitted:
+            if r["abort_at"] == step and not seq.is_finished:
+                assert scheduler.abort(seq.seq_id)
+                aborted.add(seq.seq_id)
+        if scheduler.is_finished():
+            if step >= last_arrival:
+                break
+            continue
+        batch = scheduler.schedule()
+        num_tokens = sum(s.num_scheduled_tokens for s in batch.seqs)
+        scheduler.postprocess(batch.seqs, runner.run(batch))
+        check_step(scheduler, batch.seqs, num_tokens, w, [s for s, _ in admitted])
+    else:
+        raise AssertionError("the workload did not finish: a livelock")
+    for seq, r in admitted:
+        assert seq.is_finished
+        if seq.seq_id not in aborted:
+            assert seq.num_completion_tokens == expected_length(seq.num_prompt_tokens, r,
+                                                                w["max_model_len"])
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
