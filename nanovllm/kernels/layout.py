@@ -76,3 +76,47 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"v_cache (shape {tuple(v_cache.shape)}, strides {v_cache.stride()}) "
                          f"must have the layout of k_cache (shape {tuple(k_cache.shape)}, "
                          f"strides {k_cache.stride()})")
+
+
+def check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, num_seqs: int) -> int:
+    """Caches and block tables for attention over `num_seqs` sequences; num_kv_heads."""
+    check_cache(k_cache, v_cache)
+    check_like("k_cache", k_cache, "q", q)
+    check_size("k_cache's head_dim (dim 3)", k_cache.shape[3], q.shape[2])
+    check_index("block_tables", block_tables, 2, q.device)
+    check_size("block_tables' rows (one per sequence)", block_tables.shape[0], num_seqs)
+    return check_group(q, k_cache.shape[2], "k_cache")
+
+
+def check_chunk_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """k, v [num_tokens, num_kv_heads, head_dim] beside q; returns num_kv_heads."""
+    for name, tensor in (("k", k), ("v", v)):
+        check_rows(name, tensor, "[num_tokens, num_kv_heads, head_dim]")
+        check_like(name, tensor, "q", q)
+        check_size(f"{name}'s num_tokens and head_dim", (tensor.shape[0], tensor.shape[2]),
+                   (q.shape[0], q.shape[2]))
+    check_size("v's num_kv_heads (k's)", v.shape[1], k.shape[1])
+    return check_group(q, k.shape[1], "k")
+
+
+def check_group(q: torch.Tensor, num_kv_heads: int, kv_name: str) -> int:
+    if num_kv_heads == 0 or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q's num_heads ({q.shape[1]}) must be a multiple of {kv_name}'s "
+                         f"num_kv_heads ({num_kv_heads})")
+    return num_kv_heads
+
+
+def check_count(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked to match q, or a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    check_rows("out", out, "[num_tokens, num_heads, head_dim]")
+    check_like("out", out, "q", q)
+    check_size("out's shape (q's)", out.shape, q.shape)
+    return out

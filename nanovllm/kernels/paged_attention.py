@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.layout import (check_cache, check_index, check_like, check_rows, check_size,
-                                     interpreted)
+from nanovllm.kernels.layout import (check_chunk_kv, check_count, check_index, check_paged_cache,
+                                     check_rows, check_size, interpreted, output_like)
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256   # a decode split reads at least this many keys ...
@@ -46,14 +46,16 @@ def _load_kv_tile(k_ptr, v_ptr, block_table_ptr, first_row, pos, valid, dims, di
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
+def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, qk_scale,
+                         DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """Fold one key tile into (m_i, l_i, acc). q [M, D], k and v [N, D], mask [M or 1, N].
     Every row must see a valid key in its first tile, so m_i is finite from then on.
+    PRECISION: "ieee" for float32 tiles (TF32 would cost float32 its accuracy).
     DOT_F32: multiply exact fp32 copies of the 16-bit tiles (for Triton's interpreter,
     whose tl.dot multiplies bfloat16 tiles as raw integers)."""
     if DOT_F32:
         q, k = q.to(tl.float32), k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # fp32 tiles: no TF32
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -61,7 +63,7 @@ def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, qk_scale, DOT_F32: tl.con
     l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
     if DOT_F32:
         p, v = p.to(tl.float32), v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -72,7 +74,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_ct, stride_ch,
     qk_scale, block_size, head_dim,
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program (seq, kv_head, split): the GROUP query heads of one KV head read each K/V
@@ -99,7 +101,7 @@ def _decode_kernel(
                              stride_cb, stride_ct, stride_ch, stride_cb, stride_ct, stride_ch,
                              PAGED=True)
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
-                                             DOT_F32)
+                                             DOT_F32, PRECISION)
 
     store_mask = (group < GROUP)[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -141,7 +143,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     qk_scale, block_size, head_dim,
-    GROUP: tl.constexpr, PAGED: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP: tl.constexpr, PAGED: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program (query tile, head, seq). Causal, aligned bottom-right: query j of a chunk
@@ -178,7 +180,8 @@ def _prefill_kernel(
                              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                              PAGED=PAGED)
         causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_F32)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale,
+                                             DOT_F32, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -196,21 +199,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     can capture it. `out`: where to write (default: a new tensor)."""
     check_rows("q", q, "[num_seqs, num_heads, head_dim]")
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs)
+    num_kv_heads = check_paged_cache(q, k_cache, v_cache, block_tables, num_seqs)
     check_index("context_lens", context_lens, 1, q.device)
     check_size("len(context_lens) (one per sequence)", context_lens.shape[0], num_seqs)
     block_size = k_cache.shape[1]
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be None (auto) or an int >= 1, got {num_splits!r}")
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
                                        q.device)
-    out = _output_for(q, out)
+    check_count("num_splits", num_splits, minimum=1)
+    out = output_like(q, out)
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    group, block_d = num_heads // num_kv_heads, triton.next_power_of_2(head_dim)
     part_m = part_l = part_acc = out  # placeholders: the kernel only touches them when split
     if num_splits > 1:
         part_m = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
@@ -219,15 +219,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scale * LOG2E, block_size, head_dim,
-        GROUP=group, NUM_SPLITS=num_splits, DOT_F32=interpreted(), BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if block_d >= 128 else 128, BLOCK_D=block_d, num_warps=4, num_stages=2)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E, block_size, head_dim,
+        GROUP=group, NUM_SPLITS=num_splits, **_dot_options(q.dtype),
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        BLOCK_N=_keys_per_tile(q.dtype, block_d), BLOCK_D=block_d, num_warps=4, num_stages=2)
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), head_dim,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4)
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
     return out
 
 
@@ -242,39 +241,32 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [num_tokens, num_kv_heads, head_dim] (cu_seqlens_k == cu_seqlens_q). Otherwise the
     keys come from the paged cache, which must already hold this chunk's K/V."""
     check_rows("q", q, "[num_tokens, num_heads, head_dim]")
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-        raise ValueError(f"max_seqlen_q must be an int >= 0, got {max_seqlen_q!r}")
+    check_count("max_seqlen_q", max_seqlen_q, minimum=0)
     num_seqs = cu_seqlens_q.shape[0] - 1
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_index(name, cu, 1, q.device)
         check_size(f"len({name}) (num_seqs + 1)", cu.shape[0], num_seqs + 1)
     if block_tables is None:
-        kv = (k, v)
-        for name, t in (("k", k), ("v", v)):
-            check_rows(name, t, "[num_tokens, num_kv_heads, head_dim]")
-            check_like(name, t, "q", q)
-            check_size(f"{name}'s num_tokens and head_dim", (t.shape[0], t.shape[2]),
-                       (q.shape[0], q.shape[2]))
-        num_kv_heads = _check_group(q, k.shape[1], "k")
-        block_size, strides = 1, (0, *k.stride()[:2], 0, *v.stride()[:2])
+        num_kv_heads = check_chunk_kv(q, k, v)
+        keys, block_size, strides = (k, v), 1, (0, *k.stride()[:2], 0, *v.stride()[:2])
     else:
-        kv = (k_cache, v_cache)
-        num_kv_heads = _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs)
-        block_size, strides = k_cache.shape[1], k_cache.stride()[:3] * 2
-    out = _output_for(q, out)
+        num_kv_heads = check_paged_cache(q, k_cache, v_cache, block_tables, num_seqs)
+        keys, block_size, strides = (k_cache, v_cache), k_cache.shape[1], k_cache.stride()[:3] * 2
+    out = output_like(q, out)
     if num_seqs <= 0 or max_seqlen_q == 0:
         return out
-    head_dim = q.shape[2]
+    num_heads, head_dim = q.shape[1:]
     block_d = triton.next_power_of_2(head_dim)
+    # 128 x 64 tiles (8 warps) for 16-bit d <= 128, as Hopper flash-attention kernels use;
+    # 64-row tiles where float32 or a wide head would overflow shared memory
     block_m = 64 if q.dtype == torch.float32 or block_d > 128 else 128
-    dummy = cu_seqlens_q  # block_tables is never read when PAGED is False
-    _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), q.shape[1], num_seqs)](
-        q, *kv, out, cu_seqlens_q, cu_seqlens_k, dummy if block_tables is None else block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        0 if block_tables is None else block_tables.stride(0), *strides,
+    tables = cu_seqlens_q if block_tables is None else block_tables  # unread when not PAGED
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)](
+        q, *keys, out, cu_seqlens_q, cu_seqlens_k, tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), *strides,
         scale * LOG2E, block_size, head_dim,
-        GROUP=q.shape[1] // num_kv_heads, PAGED=block_tables is not None, DOT_F32=interpreted(),
-        BLOCK_M=block_m, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
+        GROUP=num_heads // num_kv_heads, PAGED=block_tables is not None, **_dot_options(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=_keys_per_tile(q.dtype, block_d), BLOCK_D=block_d,
         num_warps=8 if block_m == 128 else 4, num_stages=2)
     return out
 
@@ -298,28 +290,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, num_seqs: int) -> int:
-    """Checks shared by decode and paged prefill; returns num_kv_heads."""
-    check_cache(k_cache, v_cache)
-    check_like("k_cache", k_cache, "q", q)
-    check_size("k_cache's head_dim (dim 3)", k_cache.shape[3], q.shape[2])
-    check_index("block_tables", block_tables, 2, q.device)
-    check_size("block_tables' rows (one per sequence)", block_tables.shape[0], num_seqs)
-    return _check_group(q, k_cache.shape[2], "k_cache")
+def _keys_per_tile(dtype: torch.dtype, block_d: int) -> int:
+    """Keys per K/V tile: a 16 KiB tile (64 bf16 keys at head_dim 128), so two pipeline
+    stages of K and V fit in shared memory beside a 128-row query tile."""
+    return min(128, max(16, 16384 // (block_d * dtype.itemsize)))
 
 
-def _check_group(q: torch.Tensor, num_kv_heads: int, kv_name: str) -> int:
-    if num_kv_heads == 0 or q.shape[1] % num_kv_heads:
-        raise ValueError(f"q's num_heads ({q.shape[1]}) must be a multiple of {kv_name}'s "
-                         f"num_kv_heads ({num_kv_heads})")
-    return num_kv_heads
-
-
-def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q)
-    check_rows("out", out, "[num_tokens, num_heads, head_dim]")
-    check_like("out", out, "q", q)
-    check_size("out's shape (q's)", out.shape, q.shape)
-    return out
+def _dot_options(dtype: torch.dtype) -> dict:
+    interpret = interpreted()
+    return dict(DOT_F32=interpret, PRECISION="ieee" if interpret or dtype == torch.float32 else "tf32")

@@ -19,9 +19,7 @@ class FlashAttnBackend:
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache = staticmethod(store_kvcache)  # the Triton kernel, same signature
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ DECODE_CASES = [
     (BF16, 2, 128, 256, 1),
     (BF16, 4, 64, 16, 4),
     (F16, 1, 128, 16, None),
+    (F32, 2, 96, 16, 2),     # head_dim not a power of two: a masked, padded tile
 ]
 
 
@@ -70,6 +71,7 @@ PREFILL_CASES = [
     (BF16, 4, 64, 16, "chunk"),
     (BF16, 2, 128, 256, "prefix"),
     (F16, 1, 64, 256, "chunk"),
+    (F32, 2, 96, 16, "prefix"),
 ]
 
 
