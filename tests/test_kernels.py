@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanovllm.kernels import interpreted
-from nanovllm.layers import attention
-from nanovllm.layers.attention import select_backend
+pytest.importorskip("triton")  # linux only, as pyproject.toml installs it
+
+from nanovllm.kernels import interpreted  # noqa: E402
+from nanovllm.layers import attention  # noqa: E402
+from nanovllm.layers.attention import select_backend  # noqa: E402
 
 KERNEL_TESTS = Path(__file__).parent / "kernels"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU is touched
