@@ -6,8 +6,12 @@ Each step, an attention layer (1) writes the new tokens' K/V into their cache sl
   decode   one query per sequence over its `context_lens` cached keys.
 
 Backends live in their own modules: `torch` (torch_attention.py, the reference; runs
-anywhere). The runner gives every Attention layer its backend and its cache slices.
+anywhere), `triton` (triton_attention.py, our kernels; CUDA, or a CPU under
+TRITON_INTERPRET=1) and `flash_attn` (flash_attention.py; CUDA, when flash-attn is
+installed). The latter two import triton / flash-attn only when selected. The runner
+gives every Attention layer its backend and its cache slices.
 """
+import importlib
 from typing import Protocol
 
 import torch
@@ -36,10 +40,52 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
-    """The backend for `attention_backend=name`; a ValueError says why one cannot run."""
-    if name in ("auto", "torch"):
+    """The backend for `attention_backend=name`. "auto": flash_attn where it can run, else
+    triton on CUDA, else torch. A named backend that cannot run is a ValueError saying why."""
+    if name == "auto":
+        if device.type != "cuda":
+            return TorchBackend()
+        name = next((n for n in ("flash_attn", "triton") if _why_not(n, device, block_size) is None),
+                    "torch")
+    if name == "torch":
         return TorchBackend()
-    raise ValueError(f"attention_backend {name!r} is not available in this build; use 'torch'")
+    reason = _why_not(name, device, block_size)
+    if reason is not None:
+        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
+    if name == "triton":
+        from nanovllm.layers.triton_attention import TritonBackend
+        return TritonBackend()
+    from nanovllm.layers.flash_attention import FlashAttnBackend
+    return FlashAttnBackend()
+
+
+def _why_not(name: str, device: torch.device, block_size: int) -> str | None:
+    """Why backend `name` ("triton" or "flash_attn") cannot run here; None if it can."""
+    if name == "flash_attn":
+        if device.type != "cuda":
+            return f"flash-attn needs a CUDA device, not {device.type}; use 'torch'"
+        if (error := _import_error("flash_attn")) is not None:
+            return f"flash-attn is not installed or does not load ({error}); use 'triton'"
+        if block_size % 256:
+            return (f"flash-attn's paged KV cache needs kvcache_block_size % 256 == 0, got "
+                    f"{block_size}; use kvcache_block_size=256 or attention_backend='triton'")
+    if (error := _import_error("triton")) is not None:  # flash_attn writes the cache with it too
+        return f"triton is not installed or does not load ({error})"
+    if name == "triton" and device.type != "cuda":
+        from nanovllm.kernels import interpreted
+        if device.type != "cpu" or not interpreted():
+            return (f"the Triton kernels need a CUDA device, not {device.type}; use 'torch' (on a "
+                    f"CPU they run only in Triton's interpreter: TRITON_INTERPRET=1 set before "
+                    f"nanovllm is imported, slow, for tests)")
+    return None
+
+
+def _import_error(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return str(error)
+    return None
 
 
 class Attention(nn.Module):
