@@ -49,7 +49,7 @@ class LLMEngine:
     def step(self) -> StepOutput:
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self.model_runner.run(seqs, is_prefill)
+        token_ids = self.model_runner.call("run", seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
         return StepOutput([(seq.seq_id, seq.completion_token_ids) for seq in finished],
                           num_prefill_tokens=num_tokens if is_prefill else 0,
