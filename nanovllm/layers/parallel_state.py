@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
@@ -44,9 +44,12 @@ class TPGroup:
         return torch.cat(shards, dim=-1) if self.rank == 0 else None
 
     def shutdown(self) -> None:
-        """Release the backend's connections (NCCL communicators); no collective after."""
-        if self.process_group is not None:
-            self.process_group.shutdown()
+        """Release the backend (NCCL communicators, sockets); no collective after. Every
+        layer shares this object, so the backend is destroyed here and now, not at
+        interpreter exit, where its threads' teardown can abort the process."""
+        process_group, self.process_group = self.process_group, None
+        if process_group is not None:
+            process_group.shutdown()
 
 
 SINGLE_RANK = TPGroup()

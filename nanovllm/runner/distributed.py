@@ -104,7 +104,8 @@ class WorkerGroup:
             group.shutdown()
             raise
         threading.Thread(target=group._abort_when_a_worker_dies, daemon=True,
-                         args=(group.tp_group,), name="nanovllm-tp-watchdog").start()
+                         args=(group.tp_group.process_group,),
+                         name="nanovllm-tp-watchdog").start()
         return group
 
     def _wait_until_joined(self, store: dist.Store) -> None:
@@ -159,13 +160,13 @@ class WorkerGroup:
                     f"{process.exitcode} (its traceback, if any, is on stderr); this engine "
                     "cannot run any more: close it and create a new one") from cause
 
-    def _abort_when_a_worker_dies(self, tp_group: TPGroup) -> None:
+    def _abort_when_a_worker_dies(self, process_group: object) -> None:
         """Watchdog: on a worker's death, abort the group so that no rank-0 collective
         waits for it (with NCCL it would wait until GROUP_TIMEOUT)."""
         wait(self._sentinels())
         if not self._closing.is_set():
             self._aborted = True
-            tp_group.process_group.abort()
+            process_group.abort()
 
     def shutdown(self) -> None:
         """Stop the workers and release the process group; safe to call again."""
