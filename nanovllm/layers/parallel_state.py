@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 @dataclass(slots=True)
 class TPGroup:
+    """This rank's place in its engine's tensor-parallel group, shared by all its layers."""
+
     rank: int = 0
     size: int = 1
     process_group: object | None = None  # a torch.distributed backend; None for one rank
@@ -39,9 +41,10 @@ class TPGroup:
             return x
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        shards = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
-        self.process_group.gather([shards] if self.rank == 0 else [], [x.contiguous()], opts).wait()
-        return torch.cat(shards, dim=-1) if self.rank == 0 else None
+        shards = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        outputs = [shards] if shards is not None else []  # only the root receives
+        self.process_group.gather(outputs, [x.contiguous()], opts).wait()
+        return torch.cat(shards, dim=-1) if shards is not None else None
 
     def shutdown(self) -> None:
         """Release the backend (NCCL communicators, sockets); no collective after. Every
