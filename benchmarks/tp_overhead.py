@@ -4,7 +4,9 @@
 
 Runs the same greedy batch on the demo checkpoint (nanovllm/demo_model.py) at TP=1
 and TP=2 and prints tokens/s (prompt + completion tokens over generate()'s wall time,
-best of --repeats after a warm-up) and the ratio TP=2 / TP=1.
+best of --repeats after a warm-up) and the ratio TP=2 / TP=1. On a small or shared
+machine run it with OMP_NUM_THREADS=1: OpenMP threads of several processes spinning on
+the same cores make the timings erratic (TP=1 included).
 """
 import argparse
 import random
