@@ -78,7 +78,7 @@ def raises_within(seconds: float, fn) -> BaseException:
         try:
             fn()
             outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
+        except BaseException as e:  # the test inspects it
             outcome.append(e)
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
