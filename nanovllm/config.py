@@ -59,6 +59,7 @@ class Config:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        _check_tensor_parallel_divides(self.hf_config, self.tensor_parallel_size)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
     @classmethod
@@ -89,6 +90,22 @@ def rope_parameters(hf_config: PretrainedConfig) -> dict:
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
     params.setdefault("rope_type", params.pop("type", "default"))
     return params
+
+
+# What tensor parallelism shards: attention heads, MLP columns, vocabulary rows.
+_SHARDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def _check_tensor_parallel_divides(hf_config: PretrainedConfig, tp_size: int) -> None:
+    """Before any process is spawned: every sharded dimension must split evenly."""
+    dims = {name: getattr(hf_config, name, None) for name in _SHARDED_DIMS}
+    dims = {name: value for name, value in dims.items() if isinstance(value, int)}
+    for name, value in dims.items():
+        if value % tp_size:
+            fitting = [n for n in range(1, 9) if all(v % n == 0 for v in dims.values())]
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's "
+                             f"{name} ({value}); this model can use tensor_parallel_size "
+                             f"{', '.join(map(str, fitting))}")
 
 
 def _is_number(value: object) -> bool:

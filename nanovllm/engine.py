@@ -72,7 +72,7 @@ class LLMEngine:
         try:
             seqs, is_prefill = self.scheduler.schedule()
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            token_ids = self.model_runner.call("run", seqs, is_prefill)
             finished = self.scheduler.postprocess(seqs, token_ids)
         except BaseException:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.

@@ -1,17 +1,18 @@
 """Vocabulary-parallel embedding and LM head: each rank holds vocab/N rows."""
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.context import get_context
-from nanovllm.layers.linear import copy_checked, divide, tp_rank_and_size
+from nanovllm.layers.linear import copy_checked, divide
+from nanovllm.layers.parallel_state import get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.num_embeddings = num_embeddings
         self.shard_size = divide(num_embeddings, self.tp_size, "vocab_size")
         self.vocab_start = self.tp_rank * self.shard_size
@@ -31,8 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         in_shard = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
         y = y * in_shard.unsqueeze(-1).to(y.dtype)  # other ranks contribute these rows
-        dist.all_reduce(y)
-        return y
+        return self.tp_group.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -43,9 +43,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill:
             hidden_states = hidden_states[context.cu_seqlens_q[1:] - 1]
-        logits = F.linear(hidden_states, self.weight)
-        if self.tp_size == 1:
-            return logits
-        shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, shards, dst=0)
-        return torch.cat(shards, dim=-1) if self.tp_rank == 0 else None
+        # [num_seqs, vocab / N] on each rank -> [num_seqs, vocab] on rank 0
+        return self.tp_group.gather_last_dim(F.linear(hidden_states, self.weight))

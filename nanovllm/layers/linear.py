@@ -6,17 +6,13 @@
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that
 copies its own shard out of the full checkpoint tensor, so the loader stays a loop.
+A layer shards over the tensor-parallel group current when it is built (parallel_state).
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-def tp_rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+from nanovllm.layers.parallel_state import get_tp_group
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -40,7 +36,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -62,8 +59,7 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
-        super().__init__(input_size, divide(output_size, tp_size, "output size"), bias)
+        super().__init__(input_size, divide(output_size, get_tp_group().size, "output size"), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_checked(param, self._rank_slice(loaded, param.shape[0]))
@@ -80,6 +76,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     the index of the checkpoint tensor."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        # Each part is sharded on its own, so each (not just the sum) must divide.
+        for size in output_sizes:
+            divide(size, get_tp_group().size, "output size")
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
@@ -94,7 +93,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
+        tp_size = get_tp_group().size
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
         self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
@@ -111,8 +110,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
-        super().__init__(divide(input_size, tp_size, "input size"), output_size, bias)
+        super().__init__(divide(input_size, get_tp_group().size, "input size"), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is not sharded: every rank holds all of it
@@ -127,6 +125,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by rank 0, not once per rank by the all-reduce.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        return self.tp_group.all_reduce(y)

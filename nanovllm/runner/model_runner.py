@@ -6,29 +6,45 @@ Slot mapping (where each new token's K/V goes), for block_size 4:
     block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
     positions     0  1  2  3 | 4  5
     slots        28 29 30 31 | 8  9
+
+With tensor_parallel_size N, one ModelRunner per rank: rank 0 in the caller's process,
+ranks 1..N-1 spawned (runner/distributed.py). Rank 0 drives each step with
+`call("run", seqs, is_prefill)`, which runs it on every rank; only rank 0 samples.
 """
+import weakref
 from contextlib import contextmanager
 from itertools import chain
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config, checkpoint_dtype
 from nanovllm.core.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.context import AttentionMetadata, attention_context
+from nanovllm.layers.parallel_state import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import get_model_class
+from nanovllm.runner.distributed import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.runner.loader import load_dummy_weights, load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
+    """The device of `rank`: the CPU, or with tensor parallelism GPU number `rank`."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but CUDA is not available; use 'cpu' or 'auto'")
-    return torch.device(name)
+    if world_size == 1:
+        return torch.device("cuda")
+    if world_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={world_size} needs one GPU per rank but "
+                         f"{torch.cuda.device_count()} are visible; lower it or use device='cpu'")
+    return torch.device("cuda", rank)
 
 
 def resolve_dtype(name: str, hf_config) -> torch.dtype:
@@ -50,13 +66,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0):
+    def __init__(self, config: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
+        """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main, with the
+        `rendezvous` rank 0 opened."""
         self.config = config
         self.rank = rank
         self.block_size = config.kvcache_block_size
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, rank, config.tensor_parallel_size)
         self.dtype = resolve_dtype(config.dtype, config.hf_config)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
+        self.workers: WorkerGroup | None = None  # rank 0's handle on ranks 1..N-1
+        self.tp_group = self._init_tensor_parallel(rendezvous)
         self.model = self._build_model()
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -66,9 +86,25 @@ class ModelRunner:
 
     # -- setup --------------------------------------------------------------------
 
+    def _init_tensor_parallel(self, rendezvous: Rendezvous | None) -> TPGroup:
+        """Rank 0 spawns ranks 1..N-1 and stops them when it is closed, garbage-collected
+        or at interpreter exit; a spawned rank joins rank 0's process group."""
+        if self.config.tensor_parallel_size == 1:
+            return SINGLE_RANK
+        if not dist.is_available():
+            raise ValueError("tensor_parallel_size > 1 needs torch.distributed, which this "
+                             "PyTorch build lacks")
+        if self.rank > 0:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            return connect_worker(rendezvous, self.rank, self.device)
+        self.workers = WorkerGroup.spawn(self.config, self.device, type(self))
+        self._stop_workers = weakref.finalize(self, self.workers.shutdown)
+        return self.workers.tp_group
+
     def _build_model(self) -> torch.nn.Module:
         hf_config = self.config.hf_config
-        with _default_dtype(self.dtype), self.device:
+        with _default_dtype(self.dtype), self.device, tp_group_scope(self.tp_group):
             model = get_model_class(hf_config)(hf_config)
         if self.config.load_format == "dummy":
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
@@ -97,7 +133,9 @@ class ModelRunner:
                            * attn.head_dim * self.dtype.itemsize)
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks < 0:
-            num_blocks = self._blocks_that_fit(bytes_per_block)
+            # Block ids are shared by all ranks: each takes the smallest count any can fit.
+            fits = torch.tensor([self._blocks_that_fit(bytes_per_block)], device=self.device)
+            num_blocks = int(self.tp_group.all_reduce(fits, op="min").item())
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *block_shape,
                                     dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
@@ -189,6 +227,13 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
+    def call(self, method: str, *args) -> object:
+        """Rank 0: run `method(*args)` on every rank; returns rank 0's result. Raises
+        RuntimeError if a worker has died."""
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        return self.workers.call(getattr(self, method), method, args)
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """One step: a token id per sequence on rank 0 (None on other ranks)."""
@@ -209,6 +254,11 @@ class ModelRunner:
         return self.sampler(logits, temps, all_greedy=not any(temperatures)).tolist()
 
     def close(self) -> None:
+        """Free the KV cache; rank 0 stops its workers, a worker leaves the process group."""
+        if self.workers is not None:
+            self._stop_workers()  # a finalizer: runs WorkerGroup.shutdown at most once
+        elif self.rank > 0:
+            self.tp_group.shutdown()
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None

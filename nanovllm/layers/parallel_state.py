@@ -1,0 +1,74 @@
+"""The tensor-parallel group a model is sharded over, and its collectives.
+
+Every engine has a process group of its own (two engines may live in one process), so
+the layers never use torch.distributed's global default group. A layer captures the
+group that is current while it is constructed and uses it ever after:
+
+    with tp_group_scope(group):   # the runner, around building the model
+        model = Qwen3ForCausalLM(hf_config)
+
+Outside a scope the group is a single rank and no collective runs. The collectives call
+the backend object itself: torch.distributed's functions look ranks up in the registry of
+groups made by init_process_group / new_group, which ours are not in.
+"""
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class TPGroup:
+    """This rank's place in its engine's tensor-parallel group, shared by all its layers."""
+
+    rank: int = 0
+    size: int = 1
+    process_group: object | None = None  # a torch.distributed backend; None for one rank
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place across ranks; returns `x`. `op`: "sum" or "min"."""
+        if self.size > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op]
+            self.process_group.allreduce([x], opts).wait()
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `x` concatenated along the last dim, on rank 0; None elsewhere."""
+        if self.size == 1:
+            return x
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        shards = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        outputs = [shards] if shards is not None else []  # only the root receives
+        self.process_group.gather(outputs, [x.contiguous()], opts).wait()
+        return torch.cat(shards, dim=-1) if shards is not None else None
+
+    def shutdown(self) -> None:
+        """Release the backend (NCCL communicators, sockets); no collective after. Every
+        layer shares this object, so the backend is destroyed here and now, not at
+        interpreter exit, where its threads' teardown can abort the process."""
+        process_group, self.process_group = self.process_group, None
+        if process_group is not None:
+            process_group.shutdown()
+
+
+SINGLE_RANK = TPGroup()
+_current: TPGroup = SINGLE_RANK
+
+
+def get_tp_group() -> TPGroup:
+    return _current
+
+
+@contextmanager
+def tp_group_scope(group: TPGroup) -> Iterator[TPGroup]:
+    """Layers constructed inside shard over `group`."""
+    global _current
+    previous, _current = _current, group
+    try:
+        yield group
+    finally:
+        _current = previous

@@ -1,0 +1,217 @@
+"""Tensor parallelism over processes: rank 0 runs in the caller's process and drives
+ranks 1..N-1, which it spawns here.
+
+    caller's process                                  spawned process, rank r = 1..N-1
+    LLMEngine, Scheduler, BlockManager, Sequences
+    ModelRunner rank 0 --- ("run", seqs, ...) ----pipe---> worker_main: ModelRunner rank r
+    (its 1/N of the weights and KV heads)                  (its 1/N of the weights and KV heads)
+               <------ all-reduce / gather: gloo on CPU, NCCL on CUDA ------>
+
+- Rendezvous: rank 0 opens a TCPStore on a port the OS picks as free, so engines never
+  share one. Each engine has its own process group, not torch.distributed's global one.
+- Calls: one pipe per worker carrying a pickled (method, args). A pipe frames each
+  message with its length, takes messages of any size and copies them into the kernel,
+  so rank 0 can never overwrite a message a worker is still reading; for step-sized
+  messages it measured as fast as shared memory + events. Workers send nothing back:
+  results reach rank 0 through the collectives.
+- Failures: rank 0 checks its workers are alive around every call, and a watchdog thread
+  aborts the process group the moment one dies, so a collective waiting on it fails
+  instead of hanging (gloo notices the closed socket by itself; NCCL would wait for the
+  group timeout). A worker exits when rank 0's process does.
+- Shutdown: closing the pipes is the exit signal (workers read end-of-file); rank 0
+  joins them, terminating any that do not leave, then shuts the process group down.
+"""
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from time import monotonic
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.layers.parallel_state import TPGroup
+
+HOST = "127.0.0.1"                      # every rank runs on this machine
+GROUP_TIMEOUT = timedelta(minutes=5)    # a collective waiting this long on a live rank fails
+JOIN_TIMEOUT_S = 5.0                    # shutdown waits this long for a worker, then terminates it
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a spawned rank finds its engine's process group."""
+    port: int
+    world_size: int
+
+
+def join_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> TPGroup:
+    backend = dist.ProcessGroupNCCL if device.type == "cuda" else dist.ProcessGroupGloo
+    return TPGroup(rank, world_size, backend(store, rank, world_size, GROUP_TIMEOUT))
+
+
+def connect_worker(rendezvous: Rendezvous, rank: int, device: torch.device) -> TPGroup:
+    """A spawned rank joins the group rank 0 opened (blocks until every rank is in)."""
+    store = dist.TCPStore(HOST, rendezvous.port, rendezvous.world_size, is_master=False,
+                          timeout=GROUP_TIMEOUT)
+    store.set(_joined_key(rank), "1")
+    return join_tp_group(store, rank, rendezvous.world_size, device)
+
+
+def _joined_key(rank: int) -> str:
+    return f"worker/{rank}/joined"
+
+
+class WorkerGroup:
+    """Rank 0's handle on ranks 1..N-1: spawns them, sends them calls, stops them."""
+
+    def __init__(self) -> None:
+        self.processes: list[mp.process.BaseProcess] = []
+        self.pipes: list[Connection] = []  # rank 0's write ends, one per worker
+        self.tp_group: TPGroup | None = None
+        self.broken: str | None = None     # why the ranks may be out of step, once they are
+        self._closing = threading.Event()
+        self._aborted = False
+
+    @classmethod
+    def spawn(cls, config: Config, device: torch.device, runner_cls: type) -> "WorkerGroup":
+        """Start ranks 1..N-1, each building `runner_cls(config, rank, rendezvous)`, and
+        form the process group with them; rank 0's TPGroup is `.tp_group`."""
+        world_size = config.tensor_parallel_size
+        group = cls()
+        try:
+            store = dist.TCPStore(HOST, 0, world_size, is_master=True, timeout=GROUP_TIMEOUT,
+                                  wait_for_workers=False)
+            rendezvous = Rendezvous(store.port, world_size)
+            ctx = mp.get_context("spawn")
+            for rank in range(1, world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=worker_main, name=f"nanovllm-tp-rank{rank}",
+                                      args=(runner_cls, config, rank, rendezvous, reader),
+                                      daemon=True)
+                process.start()
+                reader.close()  # left open here, writing to a dead worker's pipe would not fail
+                group.processes.append(process)
+                group.pipes.append(writer)
+            group._wait_until_joined(store)
+            group.tp_group = join_tp_group(store, 0, world_size, device)
+        except BaseException:
+            group.shutdown()
+            raise
+        threading.Thread(target=group._abort_when_a_worker_dies, daemon=True,
+                         args=(group.tp_group.process_group,),
+                         name="nanovllm-tp-watchdog").start()
+        return group
+
+    def _wait_until_joined(self, store: dist.Store) -> None:
+        """Until every worker reached the store; a worker that dies on the way (a failed
+        import, a bad device) is reported at once instead of after the store's timeout."""
+        keys = [_joined_key(rank) for rank in range(1, len(self.processes) + 1)]
+        deadline = monotonic() + GROUP_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            self.check_alive()
+            if monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {GROUP_TIMEOUT}")
+            wait(self._sentinels(), timeout=0.05)  # a short sleep that a death cuts short
+
+    def _sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.processes]
+
+    def call(self, local: Callable, method: str, args: tuple) -> object:
+        """Send `method(*args)` to every worker, run `local(*args)` here (their collectives
+        pair up) and return its result. Raises RuntimeError if a worker is dead."""
+        self._send(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            result = local(*args)
+        except BaseException as e:
+            # The workers may be inside this call's collectives: the ranks are out of step.
+            self.broken = f"a call to {method!r} failed on rank 0 ({type(e).__name__}: {e})"
+            self.check_alive(grace_s=1.0, cause=e)  # a dead worker is the likely cause: say so
+            raise
+        self.check_alive()
+        return result
+
+    def _send(self, data: bytes) -> None:
+        self.check_alive()
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel ranks are out of step since {self.broken}; "
+                               "close this LLM and create a new one")
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send_bytes(data)
+            except OSError as e:  # BrokenPipeError: the worker is gone
+                self.check_alive(grace_s=1.0, cause=e)
+                raise RuntimeError(f"tensor-parallel worker rank {rank} is unreachable") from e
+
+    def check_alive(self, grace_s: float = 0.0, cause: BaseException | None = None) -> None:
+        """Raise RuntimeError naming a worker that has exited. `grace_s`: wait up to that
+        long for one to exit (a dying worker's sockets close an instant before it does)."""
+        ended = wait(self._sentinels(), timeout=grace_s)  # ready once a worker is exiting
+        for rank, process in enumerate(self.processes, start=1):
+            if process.sentinel in ended:
+                process.join()  # exiting: wait the instant until its exit code is known
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code "
+                    f"{process.exitcode} (its traceback, if any, is on stderr); this engine "
+                    "cannot run any more: close it and create a new one") from cause
+
+    def _abort_when_a_worker_dies(self, process_group: object) -> None:
+        """Watchdog: on a worker's death, abort the group so that no rank-0 collective
+        waits for it (with NCCL it would wait until GROUP_TIMEOUT)."""
+        wait(self._sentinels())
+        if not self._closing.is_set():
+            self._aborted = True
+            process_group.abort()
+
+    def shutdown(self) -> None:
+        """Stop the workers and release the process group; safe to call again."""
+        self._closing.set()
+        for pipe in self.pipes:
+            pipe.close()  # end-of-file: each worker leaves its loop and exits
+        self.pipes.clear()
+        for process in self.processes:
+            # Out of step, a worker may wait in a collective rank 0 never joins: no grace.
+            _stop(process, grace_s=JOIN_TIMEOUT_S if self.broken is None else 0.0)
+        if self.tp_group is not None and not self._aborted:
+            self.tp_group.shutdown()
+        self.tp_group = None
+
+
+def _stop(process: mp.process.BaseProcess, grace_s: float) -> None:
+    process.join(grace_s)
+    if process.exitcode is None:
+        process.terminate()
+        process.join(JOIN_TIMEOUT_S)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+
+
+def worker_main(runner_cls: type, config: Config, rank: int, rendezvous: Rendezvous,
+                pipe: Connection) -> None:
+    """A spawned rank: build its shard of the model, then run each call rank 0 sends
+    until rank 0 closes the pipe. An exception ends the process (rank 0 notices)."""
+    # Ctrl-C reaches the whole process group: rank 0 alone handles it (and stops us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    runner = runner_cls(config, rank, rendezvous)
+    try:
+        while True:
+            try:
+                method, args = pickle.loads(pipe.recv_bytes())
+            except EOFError:
+                return
+            getattr(runner, method)(*args)
+    finally:
+        runner.close()
+
+
+def _exit_with_parent() -> None:
+    """Rank 0's process is gone (killed, crashed): leave even from inside a collective."""
+    mp.parent_process().join()
+    os._exit(1)
