@@ -6,6 +6,8 @@ The scheduler (control plane) decides what runs, the model runner (data plane)
 computes one token per scheduled sequence, and postprocess records the results.
 """
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from time import perf_counter
 from typing import NamedTuple
 
@@ -13,17 +15,35 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.core import BlockManager, Scheduler, Sequence
+from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.detokenizer import StopStringChecker
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """A finished request. Unpacks as the (seq_id, token_ids) pair of earlier versions.
+
+    token_ids: every completion token, the one that stopped it included (an EOS, a stop
+    token id, or the token that completed a stop string). text: the completion's text,
+    ending before whatever stopped it. finish_reason: "stop" or "length" (vLLM's words).
+    """
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+    def __iter__(self) -> Iterator:
+        return iter((self.seq_id, self.token_ids))
+
+
 class StepOutput(NamedTuple):
-    finished: list[tuple[int, list[int]]]  # (seq_id, completion token ids) finished this step
-    num_prefill_tokens: int                # prompt tokens computed this step
-    num_decode_tokens: int                 # decode tokens computed this step
+    finished: list[CompletionOutput]  # the requests that finished this step
+    num_prefill_tokens: int           # prompt tokens computed this step
+    num_decode_tokens: int            # decode tokens computed this step
 
 
 class LLMEngine:
@@ -38,6 +58,9 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
                                    eos_token_ids=self.eos_token_ids)
+        # Sampling: min_tokens keeps EOS from being drawn; stop strings are found on text.
+        self.model_runner.eos_token_ids = frozenset(self.eos_token_ids)
+        self.stop_strings = StopStringChecker(self.tokenizer)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue one request; returns its seq_id."""
@@ -51,9 +74,42 @@ class LLMEngine:
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         token_ids = self.model_runner.run(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
-        return StepOutput([(seq.seq_id, seq.completion_token_ids) for seq in finished],
+        stop_texts = self._check_stop_strings(seqs, finished)
+        return StepOutput([self._completion_output(seq, stop_texts.get(seq.seq_id))
+                           for seq in finished],
                           num_prefill_tokens=num_tokens if is_prefill else 0,
                           num_decode_tokens=0 if is_prefill else num_tokens)
+
+    def _check_stop_strings(self, seqs: list[Sequence], finished: list[Sequence]) -> dict[int, str]:
+        """Finish (blocks freed now) the sequences whose new tokens completed a stop
+        string, appending them to `finished`; returns seq_id -> text before the stop string."""
+        texts = {}
+        for seq in seqs:
+            if (not seq.sampling_params.stop or seq.is_prefill  # no stop strings / no new token
+                    or seq.finish_reason is FinishReason.STOP):  # a stop token came first
+                continue
+            text = self.stop_strings.check(seq)
+            if text is None:
+                continue
+            texts[seq.seq_id] = text
+            if seq.is_finished:  # the length cap came with it: the stop string outranks it
+                seq.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+        for seq in finished:
+            self.stop_strings.discard(seq.seq_id)
+        return texts
+
+    def _completion_output(self, seq: Sequence, stop_text: str | None) -> CompletionOutput:
+        token_ids = seq.completion_token_ids
+        if stop_text is not None:
+            text = stop_text
+        elif seq.finish_reason is FinishReason.STOP:  # EOS or a stop token id: not in text
+            text = self.tokenizer.decode(token_ids[:-1])
+        else:
+            text = self.tokenizer.decode(token_ids)
+        return CompletionOutput(seq.seq_id, token_ids, text, seq.finish_reason.value)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -62,7 +118,7 @@ class LLMEngine:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Run every prompt to completion; outputs come back in prompt order as
-        {"text": str, "token_ids": list[int]}."""
+        {"text": str, "token_ids": list[int], "finish_reason": "stop" | "length"}."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, list):
@@ -72,11 +128,11 @@ class LLMEngine:
                              "prompts; pass one, or one per prompt")
         seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         outputs = self._run_to_completion(len(prompts), use_tqdm)
-        return [{"text": self.tokenizer.decode(outputs[i]), "token_ids": outputs[i]}
-                for i in seq_ids]
+        return [{"text": outputs[i].text, "token_ids": outputs[i].token_ids,
+                 "finish_reason": outputs[i].finish_reason} for i in seq_ids]
 
-    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[int, list[int]]:
-        outputs: dict[int, list[int]] = {}
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[int, CompletionOutput]:
+        outputs: dict[int, CompletionOutput] = {}
         with tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
             prefill_speed = decode_speed = 0.0
             while not self.is_finished():
@@ -89,8 +145,8 @@ class LLMEngine:
                     decode_speed = out.num_decode_tokens / elapsed
                 bar.set_postfix(prefill=f"{prefill_speed:.0f}tok/s", decode=f"{decode_speed:.0f}tok/s",
                                 refresh=False)
-                for seq_id, token_ids in out.finished:
-                    outputs[seq_id] = token_ids
+                for output in out.finished:
+                    outputs[output.seq_id] = output
                     bar.update(1)
         return outputs
 

@@ -8,6 +8,7 @@ Slot mapping (where each new token's K/V goes), for block_size 4:
     slots        28 29 30 31 | 8  9
 """
 from contextlib import contextmanager
+from functools import cached_property
 from itertools import chain
 
 import torch
@@ -19,6 +20,7 @@ from nanovllm.layers.context import AttentionMetadata, attention_context
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.loader import load_dummy_weights, load_model
+from nanovllm.runner.sampling_metadata import TokenCounts, build_sampling_metadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -203,10 +205,18 @@ class ModelRunner:
         with attention_context(metadata):
             return self.model.compute_logits(self.model(input_ids, positions))
 
+    # EOS ids that min_tokens keeps from being sampled; the engine sets them.
+    eos_token_ids: frozenset[int] = frozenset()
+
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        temperatures = [seq.sampling_params.temperature for seq in seqs]
-        temps = self._to_device(torch.tensor(temperatures, dtype=torch.float32))
-        return self.sampler(logits, temps, all_greedy=not any(temperatures)).tolist()
+        metadata = build_sampling_metadata(seqs, logits.shape[-1], self.eos_token_ids,
+                                           lambda: self.token_counts, self._to_device)
+        return self.sampler(logits, metadata).tolist()
+
+    @cached_property
+    def token_counts(self) -> TokenCounts:
+        """Penalties' per-sequence token counts, allocated when a request first has one."""
+        return TokenCounts(self.config.hf_config.vocab_size, self.device)
 
     def close(self) -> None:
         for layer in self.attention_layers:
