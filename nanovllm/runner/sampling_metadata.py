@@ -2,6 +2,7 @@
 sequences hold every token), deciding which work the batch needs, and keeps the token
 counts that penalties read on the device across steps."""
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from hashlib import blake2b
 
 import torch
@@ -20,6 +21,13 @@ def seed_key(seed: int, step: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+@dataclass(slots=True)
+class _Tracked:
+    seq: Sequence
+    slot: int
+    num_counted: int = 0  # tokens of seq already in its slot's counts
+
+
 class TokenCounts:
     """Per-sequence token counts on the device, kept across steps so a step sends only
     the tokens appended since the last one, not whole histories.
@@ -32,47 +40,42 @@ class TokenCounts:
         self.device = device
         self.output_counts = torch.zeros(0, vocab_size, device=device)
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.slots: dict[int, int] = {}              # seq_id -> slot
-        self.seqs: dict[int, Sequence] = {}          # seq_id -> its sequence
-        self.num_counted: dict[int, int] = {}        # seq_id -> tokens counted so far
+        self.tracked: dict[int, _Tracked] = {}  # seq_id -> its slot
         self.free_slots: list[int] = []
 
     def update(self, seqs: list[Sequence]) -> torch.Tensor:
         """Count the tokens of `seqs` not counted yet; returns their slots [len(seqs)]."""
         self._release_finished()
-        prompt, output = ([], []), ([], [])          # (slots, token ids) to add
+        prompt_slots, prompt_ids, output_slots, output_ids = [], [], [], []
         for seq in seqs:
-            slot = self.slots.get(seq.seq_id)
-            if slot is None:
-                slot = self._assign(seq)
-            start, end = self.num_counted[seq.seq_id], len(seq)
-            split = max(start, seq.num_prompt_tokens)
-            for target, ids in ((prompt, seq.token_ids[start:split]),
-                                (output, seq.token_ids[split:end])):
-                target[0].extend([slot] * len(ids))
-                target[1].extend(ids)
-            self.num_counted[seq.seq_id] = end
-        if prompt[0]:
-            self.in_prompt[self._index(prompt)] = True
-        if output[0]:
-            index = self._index(output)
-            self.output_counts.index_put_(index, torch.ones(len(output[0]), device=self.device),
+            entry = self.tracked.get(seq.seq_id) or self._assign(seq)
+            split = max(entry.num_counted, seq.num_prompt_tokens)
+            new_prompt = seq.token_ids[entry.num_counted:split]
+            new_output = seq.token_ids[split:]
+            prompt_slots += [entry.slot] * len(new_prompt)
+            prompt_ids += new_prompt
+            output_slots += [entry.slot] * len(new_output)
+            output_ids += new_output
+            entry.num_counted = len(seq)
+        if prompt_ids:
+            self.in_prompt[self._index(prompt_slots, prompt_ids)] = True
+        if output_ids:
+            self.output_counts.index_put_(self._index(output_slots, output_ids),
+                                          torch.ones(len(output_ids), device=self.device),
                                           accumulate=True)
-        return torch.tensor([self.slots[seq.seq_id] for seq in seqs], device=self.device)
+        return torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs], device=self.device)
 
-    def _index(self, pairs: tuple[list[int], list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = torch.tensor(pairs, device=self.device)  # [2, n]: one transfer
-        return flat[0], flat[1]
+    def _index(self, slots: list[int], token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor([slots, token_ids], device=self.device)  # [2, n]: one transfer
+        return index[0], index[1]
 
-    def _assign(self, seq: Sequence) -> int:
+    def _assign(self, seq: Sequence) -> _Tracked:
         if not self.free_slots:
             self._grow()
-        slot = self.free_slots.pop()
-        self.output_counts[slot] = 0
-        self.in_prompt[slot] = False
-        self.slots[seq.seq_id], self.seqs[seq.seq_id] = slot, seq
-        self.num_counted[seq.seq_id] = 0
-        return slot
+        entry = self.tracked[seq.seq_id] = _Tracked(seq, self.free_slots.pop())
+        self.output_counts[entry.slot] = 0
+        self.in_prompt[entry.slot] = False
+        return entry
 
     def _grow(self) -> None:
         old = self.output_counts.shape[0]
@@ -85,9 +88,8 @@ class TokenCounts:
         self.free_slots.extend(range(new - 1, old - 1, -1))
 
     def _release_finished(self) -> None:
-        for seq_id in [i for i, seq in self.seqs.items() if seq.is_finished]:
-            self.free_slots.append(self.slots.pop(seq_id))
-            del self.seqs[seq_id], self.num_counted[seq_id]
+        for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
+            self.free_slots.append(self.tracked.pop(seq_id).slot)
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
