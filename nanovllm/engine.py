@@ -6,6 +6,8 @@ The scheduler (control plane) decides what runs, the model runner (data plane)
 computes one token per scheduled sequence, and postprocess records the results.
 """
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from time import perf_counter
 from typing import NamedTuple
 
@@ -13,16 +15,34 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.core import BlockManager, Scheduler, Sequence
+from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.detokenizer import StopStringChecker
 from nanovllm.inputs import Prompt, as_params_list, as_prompt_list, check_params, check_token_ids
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """A finished request. Unpacks as the (seq_id, token_ids) pair of earlier versions.
+
+    token_ids: every completion token, the one that stopped it included (an EOS, a stop
+    token id, or the token that completed a stop string). text: the completion's text,
+    ending before whatever stopped it. finish_reason: "stop" or "length" (vLLM's words).
+    """
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+    def __iter__(self) -> Iterator:
+        return iter((self.seq_id, self.token_ids))
+
+
 class StepOutput(NamedTuple):
-    finished: list[tuple[int, list[int]]]  # (seq_id, completion token ids) finished this step
-    num_prefill_tokens: int                # prompt tokens computed this step
-    num_decode_tokens: int                 # decode tokens computed this step
+    finished: list[CompletionOutput]  # the requests that finished this step
+    num_prefill_tokens: int           # prompt tokens computed this step
+    num_decode_tokens: int            # decode tokens computed this step
 
 
 class LLMEngine:
@@ -37,6 +57,9 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
                                    eos_token_ids=self.eos_token_ids)
+        # Sampling: min_tokens keeps EOS from being drawn; stop strings are found on text.
+        self.model_runner.eos_token_ids = frozenset(self.eos_token_ids)
+        self.stop_strings = StopStringChecker(self.tokenizer)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue one request; returns its seq_id. Bad input raises before anything is queued."""
@@ -74,13 +97,46 @@ class LLMEngine:
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
             token_ids = self.model_runner.call("run", seqs, is_prefill)
             finished = self.scheduler.postprocess(seqs, token_ids)
+            stop_texts = self._check_stop_strings(seqs, finished)
         except BaseException:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
             self.scheduler.abort_all()
             raise
-        return StepOutput([(seq.seq_id, seq.completion_token_ids) for seq in finished],
+        return StepOutput([self._completion_output(seq, stop_texts.get(seq.seq_id))
+                           for seq in finished],
                           num_prefill_tokens=num_tokens if is_prefill else 0,
                           num_decode_tokens=0 if is_prefill else num_tokens)
+
+    def _check_stop_strings(self, seqs: list[Sequence], finished: list[Sequence]) -> dict[int, str]:
+        """Finish (blocks freed now) the sequences whose new tokens completed a stop
+        string, appending them to `finished`; returns seq_id -> text before the stop string."""
+        texts = {}
+        for seq in seqs:
+            if (not seq.sampling_params.stop or seq.is_prefill  # no stop strings / no new token
+                    or seq.finish_reason is FinishReason.STOP):  # a stop token came first
+                continue
+            text = self.stop_strings.check(seq)
+            if text is None:
+                continue
+            texts[seq.seq_id] = text
+            if seq.is_finished:  # the length cap came with it: the stop string outranks it
+                seq.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+        for seq in finished:
+            self.stop_strings.discard(seq.seq_id)
+        return texts
+
+    def _completion_output(self, seq: Sequence, stop_text: str | None) -> CompletionOutput:
+        token_ids = seq.completion_token_ids
+        if stop_text is not None:
+            text = stop_text
+        elif seq.finish_reason is FinishReason.STOP:  # EOS or a stop token id: not in text
+            text = self.tokenizer.decode(token_ids[:-1])
+        else:
+            text = self.tokenizer.decode(token_ids)
+        return CompletionOutput(seq.seq_id, token_ids, text, seq.finish_reason.value)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -89,8 +145,9 @@ class LLMEngine:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Run every prompt to completion; outputs come back in prompt order as
-        {"text": str, "token_ids": list[int]}. Every prompt is checked before any is
-        queued: one bad prompt rejects the call with an error naming its index."""
+        {"text": str, "token_ids": list[int], "finish_reason": "stop" | "length"}.
+        Every prompt is checked before any is queued: one bad prompt rejects the call with
+        an error naming its index."""
         self._check_open()
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
@@ -103,12 +160,12 @@ class LLMEngine:
             for seq in seqs:
                 self.scheduler.abort(seq.seq_id)
             raise
-        return [{"text": self.tokenizer.decode(outputs[seq.seq_id]),
-                 "token_ids": outputs[seq.seq_id]} for seq in seqs]
+        return [{"text": outputs[seq.seq_id].text, "token_ids": outputs[seq.seq_id].token_ids,
+                 "finish_reason": outputs[seq.seq_id].finish_reason} for seq in seqs]
 
-    def _run_to_completion(self, seq_ids: set[int], use_tqdm: bool) -> dict[int, list[int]]:
+    def _run_to_completion(self, seq_ids: set[int], use_tqdm: bool) -> dict[int, CompletionOutput]:
         """Step until the engine is idle; the outputs of `seq_ids`."""
-        outputs: dict[int, list[int]] = {}
+        outputs: dict[int, CompletionOutput] = {}
         with tqdm(total=len(seq_ids), desc="Generating", dynamic_ncols=True,
                   disable=not use_tqdm) as bar:
             prefill_speed = decode_speed = 0.0
@@ -122,9 +179,9 @@ class LLMEngine:
                     decode_speed = out.num_decode_tokens / elapsed
                 bar.set_postfix(prefill=f"{prefill_speed:.0f}tok/s", decode=f"{decode_speed:.0f}tok/s",
                                 refresh=False)
-                for seq_id, token_ids in out.finished:
-                    if seq_id in seq_ids:
-                        outputs[seq_id] = token_ids
+                for output in out.finished:
+                    if output.seq_id in seq_ids:
+                        outputs[output.seq_id] = output
                         bar.update(1)
         return outputs
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class ScheduledBatch(NamedTuple):
@@ -144,21 +144,36 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end: no token yet
             seq.is_prefill = False
             seq.append_token(token_id)
-            if self._is_stopped(seq):
-                self._finish(seq)
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
                 finished.append(seq)
         if finished:
             self.running = deque(s for s in self.running if not s.is_finished)
         return finished
 
-    def _is_stopped(self, seq: Sequence) -> bool:
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        """Why `seq` ends with its newest token, if it does. A stop token outranks the
+        length cap (vLLM's order); none counts among the first min_tokens tokens (the
+        sampler does not draw them there either)."""
         params = seq.sampling_params
-        return ((not params.ignore_eos and seq.last_token in self.eos_token_ids)
-                or seq.num_completion_tokens >= params.max_tokens
-                or len(seq) >= self.max_model_len)
+        if seq.num_completion_tokens > params.min_tokens and (
+                seq.last_token in params.stop_token_ids
+                or (not params.ignore_eos and seq.last_token in self.eos_token_ids)):
+            return FinishReason.STOP
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
-    def _finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a running sequence now (a stop string found by the engine); its blocks are
+        freed at once."""
+        self._finish(seq, reason)
+        self.running.remove(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
         self.block_manager.deallocate(seq)
 
     # -- aborting -----------------------------------------------------------------
@@ -169,7 +184,7 @@ class Scheduler:
             for seq in queue:
                 if seq.seq_id == seq_id:
                     queue.remove(seq)  # O(n), but aborting is rare and off the step path
-                    self._finish(seq)
+                    self._finish(seq, FinishReason.ABORT)
                     return True
         return False
 
@@ -180,7 +195,7 @@ class Scheduler:
         self.running.clear()
         for seq in seqs:
             seq.num_scheduled_tokens = 0
-            self._finish(seq)
+            self._finish(seq, FinishReason.ABORT)
         return [seq.seq_id for seq in seqs]
 
     def check_integrity(self) -> None:

@@ -21,11 +21,18 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+class FinishReason(Enum):
+    """Why a sequence finished, in vLLM's words (`.value` is what outputs report)."""
+    STOP = "stop"      # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"    # abort_request(), or a failed step
+
+
 class Sequence:
     __slots__ = (
         "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
-        "block_size", "sampling_params",
+        "block_size", "sampling_params", "finish_reason",
     )
     _next_id = count()
 
@@ -43,6 +50,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_size = block_size
         self.sampling_params = sampling_params
+        self.finish_reason: FinishReason | None = None  # set when it finishes
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -96,3 +104,4 @@ class Sequence:
             self.last_token = tokens
         self.status = SequenceStatus.RUNNING
         self.sampling_params = None
+        self.finish_reason = None

@@ -1,23 +1,154 @@
-"""Turns the last-token logits of each sequence into one token id per row."""
+"""Turns the last-token logits of each sequence into one token id per row.
+
+Every row carries its own settings (vLLM's semantics, see SamplingParams), applied in
+one batched pass, in this order:
+
+    suppressed ids -> penalties -> [greedy rows: argmax]
+                   -> temperature -> top-k -> top-p -> min-p -> sample
+
+Work no row of the batch asks for is skipped: the host decides it when it builds the
+SamplingMetadata (a None field means "no row needs this").
+
+Sampling is the exponential race: argmax(p / E) with E ~ Exp(1) iid per token draws
+exactly from p, without a cumulative sum. Unseeded rows take E from torch's global
+generator. A seeded row takes E from a counter-based hash of (its key, token id), where
+the key comes from (seed, number of tokens generated so far): its random numbers
+depend on nothing else, so its tokens do not depend on the batch around it, and the
+whole batch is drawn at once, with no loop over rows.
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 
-class Sampler(nn.Module):
-    """Per-row temperature: rows with temperature 0 take the argmax; the others sample
-    from softmax(logits / T) with the exponential race (argmax of p / E, E ~ Exp(1)),
-    which draws exactly from p without a cumulative sum."""
+@dataclass(slots=True)
+class Penalties:
+    """vLLM's penalties for the rows that have one (P of the batch's B rows)."""
+    rows: torch.Tensor           # [P] int64: their rows in the batch
+    output_counts: torch.Tensor  # [P, vocab] float32: times each token is in the completion
+    in_prompt: torch.Tensor      # [P, vocab] bool: token is in the prompt
+    repetition: torch.Tensor     # [P] float32, 1 = off
+    presence: torch.Tensor       # [P] float32, 0 = off
+    frequency: torch.Tensor      # [P] float32, 0 = off
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor,
-                all_greedy: bool = False) -> torch.Tensor:
-        """logits [num_seqs, vocab]; temperatures [num_seqs] -> token ids [num_seqs].
-        `all_greedy` (known on the host) skips the sampling work."""
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row settings of a batch of B rows, on the logits' device."""
+    temperatures: torch.Tensor                  # [B] float32; greedy rows hold 1.0
+    greedy: torch.Tensor | None = None          # [B] bool; None when no row is greedy
+    all_greedy: bool = False
+    top_k: torch.Tensor | None = None           # [B] int64; vocab size = keep all
+    max_top_k: int = 0                          # the largest k below the vocab size
+    top_p: torch.Tensor | None = None           # [B] float32; 1.0 = keep all
+    min_p: torch.Tensor | None = None           # [B] float32; 0.0 = keep all
+    seeded_rows: torch.Tensor | None = None     # [S] int64
+    seed_keys: torch.Tensor | None = None       # [S] int64, 32-bit keys (see seed_key)
+    all_seeded: bool = False
+    penalties: Penalties | None = None
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # ([N] rows, [N] token ids)
+
+
+class Sampler(nn.Module):
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logits [B, vocab] -> token ids [B]. The logits are overwritten."""
+        m = metadata
         logits = logits.float()
-        if all_greedy:
-            return logits.argmax(dim=-1)
-        greedy = temperatures == 0
-        # Greedy rows divide by 1, keeping their logits (and argmax) intact.
-        probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
-        noise = torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        if m.suppressed is not None:
+            logits[m.suppressed] = float("-inf")
+        if m.penalties is not None:
+            p = m.penalties
+            logits[p.rows] = apply_penalties(logits[p.rows], p)
+        greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
+        if m.all_greedy:
+            return greedy_ids
+        logits.div_(m.temperatures[:, None])
+        if m.top_k is not None or m.top_p is not None:
+            logits = apply_top_k_top_p(logits, m.top_k, m.max_top_k, m.top_p)
+        if m.min_p is not None:
+            logits = apply_min_p(logits, m.min_p)
+        probs = torch.softmax(logits, dim=-1)
+        sampled = (probs / exponential_noise(probs, m)).argmax(dim=-1)
+        return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's penalties on [P, vocab] logits: repetition over prompt and completion
+    tokens, presence and frequency over completion tokens."""
+    in_output = p.output_counts > 0
+    seen = in_output | p.in_prompt
+    repetition = p.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    return logits - p.frequency[:, None] * p.output_counts - p.presence[:, None] * in_output
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set the logits that top-k, then top-p, filter out to -inf. Ties with the k-th
+    largest logit are kept."""
+    if top_p is None:
+        # Top-k alone needs only the max_top_k largest values, not a full sort.
+        values = logits.topk(max_top_k, dim=-1).values                     # [B, max_top_k]
+        kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
+        kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)   # rows keeping all
+        return logits.masked_fill_(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1)                              # ascending
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    # Ascending, a token goes when the tokens ranked at or below it hold at most 1 - p:
+    # those ranked above it then reach p without it. The token that crosses p stays,
+    # and p = 1 removes only tokens whose probability is exactly 0.
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p[:, None]
+    drop[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with p < min_p * p_max, i.e. logit < max logit + log(min_p)
+    (log 0 = -inf keeps every token)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def exponential_noise(probs: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """[B, vocab] Exp(1) noise: the global generator's for unseeded rows, a pure
+    function of (seed key, token id) for seeded rows."""
+    if m.seed_keys is None:
+        # A draw of exactly 0 would make 0 / 0 for a filtered-out token.
+        return torch.empty_like(probs).exponential_().clamp_min_(1e-10)
+    noise = torch.empty_like(probs)
+    if not m.all_seeded:
+        noise.exponential_().clamp_min_(1e-10)
+    noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
+    return noise
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """A 32-bit integer hash (Wellons' 'prospector' xorshift-multiply) of an int or an
+    int64 tensor holding values in [0, 2**32). Both multipliers are below 2**30, so
+    every product stays below 2**62: exact in int64 on every device."""
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & _MASK32
+    return x ^ (x >> 15)
+
+
+def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S] 32-bit keys -> [S, vocab] Exp(1) noise, bits = mix32(key ^ mix32(token id)).
+    Bit-identical on the CPU and CUDA (integer arithmetic only, up to the final log)."""
+    token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
+    bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
+    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32, so
+    # -log(u) is finite and never 0.
+    u = ((bits >> 9) * 2 + 1).float().mul_(2.0 ** -24)
+    return u.log_().neg_()

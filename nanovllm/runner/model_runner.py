@@ -13,6 +13,7 @@ ranks 1..N-1 spawned (runner/distributed.py). Rank 0 drives each step with
 """
 import weakref
 from contextlib import contextmanager
+from functools import cached_property
 from itertools import chain
 
 import torch
@@ -27,6 +28,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.distributed import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.runner.loader import load_dummy_weights, load_model
+from nanovllm.runner.sampling_metadata import TokenCounts, build_sampling_metadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -248,10 +250,18 @@ class ModelRunner:
         with attention_context(metadata):
             return self.model.compute_logits(self.model(input_ids, positions))
 
+    # EOS ids that min_tokens keeps from being sampled; the engine sets them.
+    eos_token_ids: frozenset[int] = frozenset()
+
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        temperatures = [seq.sampling_params.temperature for seq in seqs]
-        temps = self._to_device(torch.tensor(temperatures, dtype=torch.float32))
-        return self.sampler(logits, temps, all_greedy=not any(temperatures)).tolist()
+        metadata = build_sampling_metadata(seqs, logits.shape[-1], self.eos_token_ids,
+                                           lambda: self.token_counts, self._to_device)
+        return self.sampler(logits, metadata).tolist()
+
+    @cached_property
+    def token_counts(self) -> TokenCounts:
+        """Penalties' per-sequence token counts, allocated when a request first has one."""
+        return TokenCounts(self.config.hf_config.vocab_size, self.device)
 
     def close(self) -> None:
         """Free the KV cache; rank 0 stops its workers, a worker leaves the process group."""

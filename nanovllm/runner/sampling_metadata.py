@@ -1,0 +1,175 @@
+"""Builds a batch's SamplingMetadata on the host from its sequences (rank 0 only, where
+sequences hold every token), deciding which work the batch needs, and keeps the token
+counts that penalties read on the device across steps."""
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from hashlib import blake2b
+
+import torch
+
+from nanovllm.core.sequence import Sequence
+from nanovllm.layers.sampler import Penalties, SamplingMetadata
+from nanovllm.sampling_params import SamplingParams
+
+ToDevice = Callable[[torch.Tensor], torch.Tensor]
+
+
+def seed_key(seed: int, step: int) -> int:
+    """The 32-bit key of a seeded row's random numbers at its `step`-th completion token:
+    a function of (seed, step) alone, so of nothing else in the batch."""
+    digest = blake2b(f"{seed}:{step}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    seq: Sequence
+    slot: int
+    num_counted: int = 0  # tokens of seq already in its slot's counts
+
+
+class TokenCounts:
+    """Per-sequence token counts on the device, kept across steps so a step sends only
+    the tokens appended since the last one, not whole histories.
+
+    Slot s (one per tracked sequence) holds output_counts[s] (times each token is in the
+    completion) and in_prompt[s]. A slot is freed once its sequence has finished."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts = torch.zeros(0, vocab_size, device=device)
+        self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.tracked: dict[int, _Tracked] = {}  # seq_id -> its slot
+        self.free_slots: list[int] = []
+
+    def update(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Count the tokens of `seqs` not counted yet; returns their slots [len(seqs)]."""
+        self._release_finished()
+        prompt_slots, prompt_ids, output_slots, output_ids = [], [], [], []
+        for seq in seqs:
+            entry = self.tracked.get(seq.seq_id) or self._assign(seq)
+            split = max(entry.num_counted, seq.num_prompt_tokens)
+            new_prompt = seq.token_ids[entry.num_counted:split]
+            new_output = seq.token_ids[split:]
+            prompt_slots += [entry.slot] * len(new_prompt)
+            prompt_ids += new_prompt
+            output_slots += [entry.slot] * len(new_output)
+            output_ids += new_output
+            entry.num_counted = len(seq)
+        if prompt_ids:
+            self.in_prompt[self._index(prompt_slots, prompt_ids)] = True
+        if output_ids:
+            self.output_counts.index_put_(self._index(output_slots, output_ids),
+                                          torch.ones(len(output_ids), device=self.device),
+                                          accumulate=True)
+        return torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs], device=self.device)
+
+    def _index(self, slots: list[int], token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor([slots, token_ids], device=self.device)  # [2, n]: one transfer
+        return index[0], index[1]
+
+    def _assign(self, seq: Sequence) -> _Tracked:
+        if not self.free_slots:
+            self._grow()
+        entry = self.tracked[seq.seq_id] = _Tracked(seq, self.free_slots.pop())
+        self.output_counts[entry.slot] = 0
+        self.in_prompt[entry.slot] = False
+        return entry
+
+    def _grow(self) -> None:
+        old = self.output_counts.shape[0]
+        new = max(8, 2 * old)
+        for name in ("output_counts", "in_prompt"):
+            tensor = getattr(self, name)
+            grown = tensor.new_zeros(new, self.vocab_size)
+            grown[:old] = tensor
+            setattr(self, name, grown)
+        self.free_slots.extend(range(new - 1, old - 1, -1))
+
+    def _release_finished(self) -> None:
+        for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
+            self.free_slots.append(self.tracked.pop(seq_id).slot)
+
+
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
+                            eos_token_ids: Collection[int],
+                            token_counts: Callable[[], TokenCounts],
+                            to_device: ToDevice) -> SamplingMetadata:
+    """The per-row tensors of a batch; features no row uses stay None. `token_counts`
+    is called only when a row has a penalty."""
+    params = [seq.sampling_params for seq in seqs]
+    greedy = [p.is_greedy for p in params]
+    m = SamplingMetadata(
+        temperatures=to_device(torch.tensor([1.0 if g else p.temperature
+                                             for p, g in zip(params, greedy)])),
+        all_greedy=all(greedy))
+    if any(greedy):
+        m.greedy = to_device(torch.tensor(greedy))
+    m.suppressed = _suppressed(seqs, eos_token_ids, to_device)
+    m.penalties = _penalties(seqs, token_counts, to_device)
+    if not m.all_greedy:
+        sampled = [not g for g in greedy]
+        _add_filters(m, params, sampled, vocab_size, to_device)
+        _add_seeds(m, seqs, sampled, to_device)
+    return m
+
+
+def _add_filters(m: SamplingMetadata, params: list[SamplingParams], sampled: list[bool],
+                 vocab_size: int, to_device: ToDevice) -> None:
+    # Greedy rows keep everything: their token is the argmax, taken before the filters.
+    top_k = [p.top_k if s and 0 < p.top_k < vocab_size else vocab_size
+             for p, s in zip(params, sampled)]
+    top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
+    min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
+    if min(top_k) < vocab_size:
+        m.top_k = to_device(torch.tensor(top_k))
+        m.max_top_k = max(k for k in top_k if k < vocab_size)
+    if min(top_p) < 1:
+        m.top_p = to_device(torch.tensor(top_p))
+    if max(min_p) > 0:
+        m.min_p = to_device(torch.tensor(min_p))
+
+
+def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: list[bool],
+               to_device: ToDevice) -> None:
+    rows = [i for i, (seq, s) in enumerate(zip(seqs, sampled))
+            if s and seq.sampling_params.seed is not None]
+    if not rows:
+        return
+    keys = [seed_key(seqs[i].sampling_params.seed, seqs[i].num_completion_tokens) for i in rows]
+    m.seeded_rows = to_device(torch.tensor(rows))
+    m.seed_keys = to_device(torch.tensor(keys))
+    m.all_seeded = len(rows) == sum(sampled)
+
+
+def _suppressed(seqs: list[Sequence], eos_token_ids: Collection[int],
+                to_device: ToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) that min_tokens forbids: EOS (unless ignored) and the stop ids."""
+    rows, ids = [], []
+    for row, seq in enumerate(seqs):
+        p = seq.sampling_params
+        if seq.num_completion_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            rows.extend([row] * len(banned))
+            ids.extend(banned)
+    if not rows:
+        return None
+    flat = to_device(torch.tensor([rows, ids]))
+    return flat[0], flat[1]
+
+
+def _penalties(seqs: list[Sequence], token_counts: Callable[[], TokenCounts],
+               to_device: ToDevice) -> Penalties | None:
+    rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.has_penalties]
+    if not rows:
+        return None
+    counts = token_counts()
+    slots = counts.update([seqs[i] for i in rows])
+    params = [seqs[i].sampling_params for i in rows]
+    per_row = torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+                            for p in params])
+    repetition, presence, frequency = to_device(per_row).unbind(1)
+    return Penalties(rows=to_device(torch.tensor(rows)),
+                     output_counts=counts.output_counts[slots], in_prompt=counts.in_prompt[slots],
+                     repetition=repetition, presence=presence, frequency=frequency)
