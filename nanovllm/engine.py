@@ -84,6 +84,7 @@ class LLMEngine:
 
     def abort_request(self, seq_id: int) -> bool:
         """Drop a pending request and free its KV blocks; False if it is not pending."""
+        self.stop_strings.discard(seq_id)
         return self.scheduler.abort(seq_id)
 
     def _check_open(self) -> None:
@@ -100,7 +101,8 @@ class LLMEngine:
             stop_texts = self._check_stop_strings(seqs, finished)
         except BaseException:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
-            self.scheduler.abort_all()
+            for seq_id in self.scheduler.abort_all():
+                self.stop_strings.discard(seq_id)
             raise
         return StepOutput([self._completion_output(seq, stop_texts.get(seq.seq_id))
                            for seq in finished],
@@ -158,7 +160,7 @@ class LLMEngine:
             outputs = self._run_to_completion({seq.seq_id for seq in seqs}, use_tqdm)
         except BaseException:  # e.g. KeyboardInterrupt: leave no request of ours behind
             for seq in seqs:
-                self.scheduler.abort(seq.seq_id)
+                self.abort_request(seq.seq_id)
             raise
         return [{"text": outputs[seq.seq_id].text, "token_ids": outputs[seq.seq_id].token_ids,
                  "finish_reason": outputs[seq.seq_id].finish_reason} for seq in seqs]

@@ -180,3 +180,12 @@ def test_a_closed_engine_says_so(checkpoints):
         pass
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(GOOD, GREEDY, use_tqdm=False)
+
+
+def test_aborting_a_request_with_stop_strings_forgets_its_text_state(llm):
+    seq_id = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, stop=["zz"]))
+    llm.step()
+    llm.step()
+    assert seq_id in llm.stop_strings.detokenizers
+    assert llm.abort_request(seq_id)
+    assert seq_id not in llm.stop_strings.detokenizers and llm.is_finished()
