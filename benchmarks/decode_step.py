@@ -107,12 +107,11 @@ def main() -> None:
                   f"median ms per decode step")
             print(f"{'batch':>5} {'step':>7} {'gpu':>7} {'host':>7} {'schedule':>8} "
                   f"{'launch':>7} {'wait':>7} {'post':>7} {'launch busy':>11}")
+            params = SamplingParams(temperature=0.6, max_tokens=4 * args.steps + 8, ignore_eos=True)
             for batch in args.batch:
-                params = SamplingParams(temperature=0.6, max_tokens=4 * args.steps + 8,
-                                        ignore_eos=True)
-                for _ in range(batch):
-                    llm.add_request(torch.randint(0, 10000, (args.context,), generator=g).tolist(),
-                                    params)
+                for _ in range(batch):  # token ids below 10000, as nano-vLLM's benchmark
+                    prompt = torch.randint(0, 10000, (args.context,), generator=g).tolist()
+                    llm.add_request(prompt, params)
                 decode_until_all_running(llm)
                 r = time_steps(llm, args.steps, cycles_per_ms)
                 while not llm.is_finished():

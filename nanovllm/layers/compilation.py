@@ -1,8 +1,9 @@
 """torch.compile for the small ops between the matmuls: RMSNorm (with its residual add),
 SiluAndMul, the rotary embedding and the sampler's softmax race. Eagerly each is several
 kernels, each a round trip through memory; compiled, one fused kernel. On CUDA only, and
-not under enforce_eager: on a CPU the eager ops measured as fast or faster, and compiling
-would cost every engine seconds (benchmarks/compiled_ops.py measures both).
+not under enforce_eager. On a CPU compiled ops are faster per call from a few dozen tokens
+on, but compiling costs each process 10-25 s, more than it saves on short runs and small
+models such as the tests' (benchmarks/compiled_ops.py measures the ops).
 
 A layer picks the eager or the compiled function when it is built, inside the scope the
 model runner opens, as it picks its tensor-parallel group:

@@ -145,8 +145,12 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with attention_context(self.buffers.metadata(size)):
             self._forward(size)  # eagerly first: Triton and torch.compile compile here
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(size)
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._forward(size)
+            except RuntimeError as e:
+                raise RuntimeError(f"capturing the decode CUDA graph of batch size {size} failed "
+                                   f"({e}); enforce_eager=True runs without graphs") from e
         return graph
 
     def _forward(self, size: int) -> None:

@@ -12,14 +12,13 @@ ranks 1..N-1 spawned (runner/distributed.py). Rank 0 drives each step with
 `call("run", seqs, is_prefill)`, which runs it on every rank; only rank 0 samples.
 """
 import weakref
-from contextlib import contextmanager
 from functools import cached_property
 from itertools import chain
 
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config, checkpoint_dtype
+from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.compilation import compile_scope
@@ -28,52 +27,20 @@ from nanovllm.layers.parallel_state import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
+from nanovllm.runner.device import default_dtype, resolve_device, resolve_dtype, to_device
 from nanovllm.runner.distributed import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.runner.kv_cache import (CudaMemoryBaseline, bind_kv_cache, bytes_per_block,
                                       kv_cache_budget, kv_cache_shape, num_blocks_within)
 from nanovllm.runner.loader import load_dummy_weights, load_model
 from nanovllm.runner.sampling_metadata import TokenCounts, build_sampling_metadata
-from nanovllm.runner.transfer import to_device
 from nanovllm.sampling_params import SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
-    """The device of `rank`: the CPU, or with tensor parallelism GPU number `rank`."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available; use 'cpu' or 'auto'")
-    if world_size == 1:
-        return torch.device("cuda")
-    if world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={world_size} needs one GPU per rank but "
-                         f"{torch.cuda.device_count()} are visible; lower it or use device='cpu'")
-    return torch.device("cuda", rank)
-
-
-def resolve_dtype(name: str, hf_config) -> torch.dtype:
-    name = checkpoint_dtype(hf_config) if name == "auto" else name
-    if name not in _DTYPES:
-        raise ValueError(f"checkpoint dtype {name!r} is not supported; pass dtype= one of "
-                         f"{', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class ModelRunner:
+    """Built in this order: the model (on CUDA with compiled small ops), then on CUDA the
+    memory measurements (graph pool, warmup), the KV cache, and the decode CUDA graphs,
+    which hold the cache's address."""
+
     def __init__(self, config: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
         """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main, with the
         `rendezvous` rank 0 opened."""
@@ -97,6 +64,8 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(
                 self.model, config.hf_config.hidden_size, config.max_num_seqs,
                 config.max_model_len, self.block_size, self.dtype, self.device)
+        if is_cuda and config.num_kvcache_blocks > 0:
+            self.warmup()  # nothing to size, but kernels compile now rather than in a step
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if self.graph_runner is not None:
             self.graph_runner.capture()  # after the KV cache: the graphs hold its address
@@ -121,7 +90,7 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         hf_config = self.config.hf_config
-        with _default_dtype(self.dtype), self.device, tp_group_scope(self.tp_group):
+        with default_dtype(self.dtype), self.device, tp_group_scope(self.tp_group):
             model = get_model_class(hf_config)(hf_config)
         if self.config.load_format == "dummy":
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
@@ -171,9 +140,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> int:
-        """A prefill at the largest batch, then (rank 0) sampling the most rows with every
-        option on, whose [rows, vocab] float32 temporaries can outgrow the prefill's
-        activations. Returns the peak of PyTorch-reserved memory meanwhile."""
+        """A prefill at the largest batch, then (rank 0) the sampler at the most rows, whose
+        [rows, vocab] float32 temporaries can outgrow the prefill's activations. Returns
+        the peak of PyTorch-reserved memory meanwhile."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         max_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
@@ -190,16 +159,23 @@ class ModelRunner:
         return torch.cuda.max_memory_reserved(self.device)
 
     def _warmup_sampler(self) -> None:
+        """Sample the most rows with every option on, then plain temperature sampling at
+        that many rows, one fewer and one: the compiled sampler compiles (static, dynamic
+        and size-1 variants) now, not in the middle of a run."""
         rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         vocab_size = self.config.hf_config.vocab_size
-        params = SamplingParams(top_k=max(1, vocab_size // 2), top_p=0.9, min_p=0.01, seed=0,
-                                min_tokens=1, stop_token_ids=[0], repetition_penalty=1.1,
-                                presence_penalty=0.1, frequency_penalty=0.1)
-        seqs = [Sequence([0], params, self.block_size) for _ in range(rows)]
-        counts = TokenCounts(vocab_size, self.device)  # dropped after: penalties' worst case
-        metadata = build_sampling_metadata(seqs, vocab_size, self.eos_token_ids,
-                                           lambda: counts, self._to_device)
-        self.sampler(torch.zeros(rows, vocab_size, dtype=self.dtype, device=self.device), metadata)
+        everything = SamplingParams(top_k=max(1, vocab_size // 2), top_p=0.9, min_p=0.01, seed=0,
+                                    min_tokens=1, stop_token_ids=[0], repetition_penalty=1.1,
+                                    presence_penalty=0.1, frequency_penalty=0.1)
+        plain = SamplingParams()
+        for params, num_rows in ((everything, rows), (plain, rows), (plain, max(1, rows - 1)),
+                                 (plain, 1)):
+            seqs = [Sequence([0], params, self.block_size) for _ in range(num_rows)]
+            counts = TokenCounts(vocab_size, self.device)  # dropped after: the worst case
+            metadata = build_sampling_metadata(seqs, vocab_size, self.eos_token_ids,
+                                               lambda: counts, self._to_device)
+            logits = torch.zeros(num_rows, vocab_size, dtype=self.dtype, device=self.device)
+            self.sampler(logits, metadata)
 
     # -- a step -------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import torch
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplingMetadata
-from nanovllm.runner.transfer import to_device
+from nanovllm.runner.device import to_device
 from nanovllm.sampling_params import SamplingParams
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
