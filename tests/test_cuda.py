@@ -210,12 +210,18 @@ def op_cases(dtype: torch.dtype) -> list[tuple]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_ops_match_eager(dtype):
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    """float32: the same math up to summation order. bfloat16: eager rounds its
+    intermediate results, compiled code computes in float32 and rounds once, so they may
+    differ by a couple of bfloat16 roundings (2**-8 each) at the output's scale."""
     for op, args in op_cases(dtype):
-        eager = op.eager(*args)
-        compiled = compiled_copy(op.eager)(*args)
-        for e, c in zip(*((eager, compiled) if isinstance(eager, tuple) else ((eager,), (compiled,)))):
-            torch.testing.assert_close(c, e, rtol=tolerance, atol=tolerance)
+        eager, compiled = op.eager(*args), compiled_copy(op.eager)(*args)
+        pairs = zip(eager, compiled) if isinstance(eager, tuple) else [(eager, compiled)]
+        for e, c in pairs:
+            e, c = e.float(), c.float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+            else:
+                torch.testing.assert_close(c, e, rtol=2**-6, atol=2**-6 * e.abs().max().item())
 
 
 def test_compiled_softmax_race_draws_from_the_softmax_and_never_a_filtered_token():
