@@ -146,17 +146,31 @@ def run_tests(runner: Runner, pytest_version: str) -> None:
         runner.stages.append(Stage("tests", "not run (pytest missing: see gpu_check.sh)"))
         return
     junit = runner.out / "cuda_tests.xml"
-    stage, _ = runner.run("tests", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs",
+    stage, output = runner.run("tests", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs",
                                     "-p", "no:cacheprovider", f"--junitxml={junit}",
                                     *cuda_test_files()], limit_s=200)
-    if junit.exists():
-        suite = ElementTree.parse(junit).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-        stage.figures = counts
-        stage.summary = (f"{counts['passed']} passed, {counts['failures']} failed, "
-                         f"{counts['errors']} errors, {counts['skipped']} skipped")
+    counts = junit_counts(junit) if junit.exists() else progress_counts(output)
+    stage.figures = counts
+    stage.summary = (f"{counts['passed']} passed, {counts['failures']} failed, "
+                     f"{counts['errors']} errors, {counts['skipped']} skipped"
+                     + ("" if junit.exists() else " (until it stopped)"))
+
+
+def junit_counts(junit: Path) -> dict[str, int]:
+    suite = ElementTree.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("failures", "errors", "skipped")}
+    counts["passed"] = int(suite.get("tests", 0)) - sum(counts.values())
+    return counts
+
+
+def progress_counts(output: str) -> dict[str, int]:
+    """Counts from pytest -q's progress lines ("..F.s  [ 40%]"), for a run cut short
+    before it wrote its report."""
+    marks = "".join(m.group(1) for m in re.finditer(r"(?m)^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$",
+                                                    output))
+    return {"passed": marks.count(".") + marks.count("X"), "failures": marks.count("F"),
+            "errors": marks.count("E"), "skipped": marks.count("s") + marks.count("x")}
 
 
 def run_bench(runner: Runner, eager: bool) -> None:

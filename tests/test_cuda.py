@@ -28,6 +28,7 @@ HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 # float32: the graphs (compiled ops, the decode kernel's split over the buffer's full
 # width) and eager mode round differently; in float32 that cannot flip a greedy token.
 F32 = dict(device="cuda", dtype="float32")
+FEW_GRAPHS = dict(F32, max_num_seqs=8)  # 4 graphs to capture, not 35
 
 
 def token_ids(outputs: list[dict]) -> list[list[int]]:
@@ -117,7 +118,7 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 30, 40)]
     with LLM(str(checkpoints["gqa"]), kvcache_block_size=BLOCK, num_kvcache_blocks=64,
-             enforce_eager=enforce_eager, **F32) as llm:
+             enforce_eager=enforce_eager, **FEW_GRAPHS) as llm:
         for _ in range(2):  # compile and grow caches; the second time with prefix-cache hits
             llm.generate(prompts, SAMPLING_OPTIONS, use_tqdm=False)
         for prompt, params in zip(prompts, SAMPLING_OPTIONS):
@@ -138,17 +139,17 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
 
 def test_enforce_eager_runs_without_graphs_or_compiled_ops(checkpoints):
     path = str(checkpoints["gqa"])
-    with LLM(path, num_kvcache_blocks=16, enforce_eager=True, **F32) as llm:
+    with LLM(path, num_kvcache_blocks=16, enforce_eager=True, **FEW_GRAPHS) as llm:
         runner = llm.model_runner
         assert runner.graph_runner is None
         assert all(n._norm is rms_norm.eager for n in runner.model.modules()
                    if isinstance(n, RMSNorm))
-    with LLM(path, num_kvcache_blocks=16, **F32) as llm:
+    with LLM(path, num_kvcache_blocks=16, **FEW_GRAPHS) as llm:
         runner = llm.model_runner
         assert runner.graph_runner is not None
         assert all(n._norm is not rms_norm.eager for n in runner.model.modules()
                    if isinstance(n, RMSNorm))
-    with LLM(path, num_kvcache_blocks=16, attention_backend="torch", **F32) as llm:
+    with LLM(path, num_kvcache_blocks=16, attention_backend="torch", **FEW_GRAPHS) as llm:
         assert llm.model_runner.graph_runner is None  # its store_kvcache syncs: decode eagerly
 
 
@@ -156,7 +157,7 @@ def test_closing_releases_the_graphs_and_the_kv_cache(checkpoints):
     path = str(checkpoints["gqa"])
 
     def create_use_close() -> int:
-        llm = LLM(path, num_kvcache_blocks=512, kvcache_block_size=BLOCK, **F32)
+        llm = LLM(path, num_kvcache_blocks=512, kvcache_block_size=BLOCK, **FEW_GRAPHS)
         llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
         graphs = llm.model_runner.graph_runner
         llm.close()
