@@ -241,6 +241,7 @@ def test_a_seeded_row_changes_token_from_step_to_step():
     assert tokens == again
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_seeded_and_greedy_rows_draw_the_same_tokens_on_cuda_as_on_the_cpu():
     vocab, n = 151936, 32

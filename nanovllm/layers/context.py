@@ -1,7 +1,8 @@
 """Per-step attention metadata: the model runner fills it, the attention layers read it.
 
-It lives in a module-level slot only inside `attention_context(...)`, which clears it
-in `finally`, so a failed step cannot leak one batch's metadata into the next.
+It lives in a module-level slot only inside `attention_context(...)`, which restores the
+previous value (None outside any) in `finally`, so a failed step cannot leak one batch's
+metadata into the next.
 """
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,8 +49,8 @@ def get_context() -> AttentionMetadata:
 @contextmanager
 def attention_context(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
     global _context
-    _context = metadata
+    previous, _context = _context, metadata
     try:
         yield metadata
     finally:
-        _context = None
+        _context = previous

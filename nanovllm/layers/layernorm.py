@@ -1,28 +1,40 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.compilation import hot_op
+
+
+@hot_op
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as Hugging Face's Qwen3RMSNorm does."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@hot_op
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the add in the input dtype, as the
+    reference model does."""
+    x = x + residual
+    return rms_norm.eager(x, weight, eps), x
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as Hugging Face's Qwen3RMSNorm does.
-
-    With `residual`, adds it first (in the input dtype, as the reference model does)
-    and returns (normed, new_residual), saving the decoder layer a separate add.
-    """
+    """With `residual`, adds it first and returns (normed, new_residual), saving the
+    decoder layer a separate add."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        self._norm = rms_norm.select()
+        self._add_norm = add_rms_norm.select()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return self._norm(x, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)

@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.compilation import hot_op
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float):
@@ -11,12 +13,19 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos | sin, each [max_position, head_dim // 2]
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1),
                              persistent=False)
+        self._fn = apply_rotary_emb.select()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self._fn(positions, q, k, self.cos_sin_cache)
+
+
+@hot_op
+def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

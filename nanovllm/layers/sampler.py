@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.layers.compilation import hot_op
+
 
 @dataclass(slots=True)
 class Penalties:
@@ -52,6 +54,10 @@ class SamplingMetadata:
 
 class Sampler(nn.Module):
 
+    def __init__(self):
+        super().__init__()
+        self._softmax_race = softmax_race.select()  # compiled on CUDA: one fused pass
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [B, vocab] -> token ids [B]. The logits are overwritten."""
         m = metadata
@@ -69,8 +75,11 @@ class Sampler(nn.Module):
             logits = apply_top_k_top_p(logits, m.top_k, m.max_top_k, m.top_p)
         if m.min_p is not None:
             logits = apply_min_p(logits, m.min_p)
-        probs = torch.softmax(logits, dim=-1)
-        sampled = (probs / exponential_noise(probs, m)).argmax(dim=-1)
+        if m.seed_keys is None:
+            sampled = self._softmax_race(logits)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            sampled = (probs / exponential_noise(probs, m)).argmax(dim=-1)
         return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)
 
 
@@ -116,15 +125,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
+@hot_op
+def softmax_race(logits: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] logits -> [B] token ids drawn from softmax(logits), every row with
+    the global generator's noise."""
+    probs = torch.softmax(logits, dim=-1)
+    return (probs / unseeded_noise(probs)).argmax(dim=-1)
+
+
+def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:
+    # A draw of exactly 0 would make 0 / 0 for a filtered-out token.
+    return torch.empty_like(probs).exponential_().clamp_min_(1e-10)
+
+
 def exponential_noise(probs: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    """[B, vocab] Exp(1) noise: the global generator's for unseeded rows, a pure
-    function of (seed key, token id) for seeded rows."""
-    if m.seed_keys is None:
-        # A draw of exactly 0 would make 0 / 0 for a filtered-out token.
-        return torch.empty_like(probs).exponential_().clamp_min_(1e-10)
-    noise = torch.empty_like(probs)
-    if not m.all_seeded:
-        noise.exponential_().clamp_min_(1e-10)
+    """[B, vocab] Exp(1) noise of a batch with seeded rows: a pure function of (seed
+    key, token id) for those, the global generator's for the others."""
+    noise = unseeded_noise(probs) if not m.all_seeded else torch.empty_like(probs)
     noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
     return noise
 

@@ -12,62 +12,35 @@ ranks 1..N-1 spawned (runner/distributed.py). Rank 0 drives each step with
 `call("run", seqs, is_prefill)`, which runs it on every rank; only rank 0 samples.
 """
 import weakref
-from contextlib import contextmanager
 from functools import cached_property
 from itertools import chain
 
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config, checkpoint_dtype
+from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.compilation import compile_scope
 from nanovllm.layers.context import AttentionMetadata, attention_context
 from nanovllm.layers.parallel_state import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import get_model_class
+from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
+from nanovllm.runner.device import default_dtype, resolve_device, resolve_dtype, to_device
 from nanovllm.runner.distributed import Rendezvous, WorkerGroup, connect_worker
+from nanovllm.runner.kv_cache import (CudaMemoryBaseline, bind_kv_cache, bytes_per_block,
+                                      kv_cache_budget, kv_cache_shape, num_blocks_within)
 from nanovllm.runner.loader import load_dummy_weights, load_model
 from nanovllm.runner.sampling_metadata import TokenCounts, build_sampling_metadata
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
-    """The device of `rank`: the CPU, or with tensor parallelism GPU number `rank`."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available; use 'cpu' or 'auto'")
-    if world_size == 1:
-        return torch.device("cuda")
-    if world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={world_size} needs one GPU per rank but "
-                         f"{torch.cuda.device_count()} are visible; lower it or use device='cpu'")
-    return torch.device("cuda", rank)
-
-
-def resolve_dtype(name: str, hf_config) -> torch.dtype:
-    name = checkpoint_dtype(hf_config) if name == "auto" else name
-    if name not in _DTYPES:
-        raise ValueError(f"checkpoint dtype {name!r} is not supported; pass dtype= one of "
-                         f"{', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+from nanovllm.sampling_params import SamplingParams
 
 
 class ModelRunner:
+    """Built in this order: the model (on CUDA with compiled small ops), then on CUDA the
+    memory measurements (graph pool, warmup), the KV cache, and the decode CUDA graphs,
+    which hold the cache's address."""
+
     def __init__(self, config: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
         """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main, with the
         `rendezvous` rank 0 opened."""
@@ -79,12 +52,23 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.workers: WorkerGroup | None = None  # rank 0's handle on ranks 1..N-1
         self.tp_group = self._init_tensor_parallel(rendezvous)
-        self.model = self._build_model()
-        self.sampler = Sampler()
+        is_cuda = self.device.type == "cuda"
+        self.memory_baseline = CudaMemoryBaseline.take(self.device) if is_cuda else None
+        # CUDA: small ops compiled, decode replayed from graphs (not under enforce_eager)
+        with compile_scope(is_cuda and not config.enforce_eager):
+            self.model = self._build_model()
+            self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if self.device.type == "cuda":
-            self.warmup()
+        self.graph_runner: CUDAGraphRunner | None = None
+        if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name):
+            self.graph_runner = CUDAGraphRunner(
+                self.model, config.hf_config.hidden_size, config.max_num_seqs,
+                config.max_model_len, self.block_size, self.dtype, self.device)
+        if is_cuda and config.num_kvcache_blocks > 0:
+            self.warmup()  # nothing to size, but kernels compile now rather than in a step
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        if self.graph_runner is not None:
+            self.graph_runner.capture()  # after the KV cache: the graphs hold its address
 
     # -- setup --------------------------------------------------------------------
 
@@ -106,7 +90,7 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         hf_config = self.config.hf_config
-        with _default_dtype(self.dtype), self.device, tp_group_scope(self.tp_group):
+        with default_dtype(self.dtype), self.device, tp_group_scope(self.tp_group):
             model = get_model_class(hf_config)(hf_config)
         if self.config.load_format == "dummy":
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
@@ -114,9 +98,53 @@ class ModelRunner:
             load_model(model, self.config.model)
         return model.requires_grad_(False)
 
+    def allocate_kv_cache(self) -> int:
+        """Allocate the KV cache (kv_cache.py) and bind it to the layers; the block count."""
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks < 0:
+            # Block ids are shared by all ranks: each takes the smallest count any can fit.
+            fits = torch.tensor([self._blocks_that_fit()], device=self.device)
+            num_blocks = int(self.tp_group.all_reduce(fits, op="min").item())
+        self.kv_cache = self._new_kv_cache(num_blocks)
+        bind_kv_cache(self.attention_layers, self.kv_cache, self.backend)
+        return num_blocks
+
+    def _new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return torch.zeros(kv_cache_shape(self.attention_layers, num_blocks, self.block_size),
+                           dtype=self.dtype, device=self.device)
+
+    def _blocks_that_fit(self) -> int:
+        block_bytes = bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            num_blocks = num_blocks_within(
+                self._cuda_kv_budget(), block_bytes,
+                "lower max_model_len / max_num_batched_tokens or raise gpu_memory_utilization")
+        else:
+            num_blocks = num_blocks_within(int(self.config.cpu_kvcache_space_gib * 2**30),
+                                           block_bytes, "raise cpu_kvcache_space_gib")
+        # More blocks than max_num_seqs full-length sequences could ever use is waste.
+        blocks_per_seq = (self.config.max_model_len + self.block_size) // self.block_size
+        return min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+
+    def _cuda_kv_budget(self) -> int:
+        """Bytes for the KV cache after measuring what the rest needs: the graphs' pool
+        (a trial capture), then the peak of a warmup at the largest batches."""
+        graph_pool = 0
+        if self.graph_runner is not None:
+            bind_kv_cache(self.attention_layers, self._new_kv_cache(1), self.backend)
+            graph_pool = self.graph_runner.measure_pool()  # every row padding: 1 block will do
+            bind_kv_cache(self.attention_layers, None, self.backend)
+        peak = self.warmup()
+        profile = self.memory_baseline.profile(peak, graph_pool)
+        return kv_cache_budget(profile, self.config.gpu_memory_utilization)
+
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """A prefill at the largest batch, so the KV cache is sized after peak activations."""
+    def warmup(self) -> int:
+        """A prefill at the largest batch, then (rank 0) the sampler at the most rows, whose
+        [rows, vocab] float32 temporaries can outgrow the prefill's activations. Returns
+        the peak of PyTorch-reserved memory meanwhile."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
         max_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
         num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs))
         seqs = [Sequence([0] * max_len, None, self.block_size) for _ in range(num_seqs)]
@@ -125,49 +153,29 @@ class ModelRunner:
             # Slots are computed but never written: there is no KV cache yet.
             seq.block_table = [0] * seq.num_blocks
         self._forward(*self.prepare_prefill(seqs))
-        torch.cuda.synchronize()
+        if self.rank == 0:
+            self._warmup_sampler()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_reserved(self.device)
 
-    def allocate_kv_cache(self) -> int:
-        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim]; return the block count."""
-        attn = self.attention_layers[0]
-        block_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
-        bytes_per_block = (2 * len(self.attention_layers) * self.block_size * attn.num_kv_heads
-                           * attn.head_dim * self.dtype.itemsize)
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks < 0:
-            # Block ids are shared by all ranks: each takes the smallest count any can fit.
-            fits = torch.tensor([self._blocks_that_fit(bytes_per_block)], device=self.device)
-            num_blocks = int(self.tp_group.all_reduce(fits, op="min").item())
-        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *block_shape,
-                                    dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            layer.backend = self.backend
-        return num_blocks
-
-    def _blocks_that_fit(self, bytes_per_block: int) -> int:
-        if self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
-            hint = ("lower max_model_len / max_num_batched_tokens or raise "
-                    "gpu_memory_utilization")
-        else:
-            budget = int(self.config.cpu_kvcache_space_gib * 2**30)
-            hint = "raise cpu_kvcache_space_gib"
-        num_blocks = budget // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"no memory is left for even one KV-cache block "
-                             f"({bytes_per_block} bytes); {hint}")
-        # More blocks than max_num_seqs full-length sequences could ever use is waste.
-        blocks_per_seq = (self.config.max_model_len + self.block_size) // self.block_size
-        return min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
-
-    def _cuda_kv_budget(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        stats = torch.cuda.memory_stats(self.device)
-        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        # What this process may still take under the utilization cap, never more than
-        # is free now (other processes' memory is not ours to count on).
-        return int(min(total * self.config.gpu_memory_utilization - peak, free - (peak - current)))
+    def _warmup_sampler(self) -> None:
+        """Sample the most rows with every option on, then plain temperature sampling at
+        that many rows, one fewer and one: the compiled sampler compiles (static, dynamic
+        and size-1 variants) now, not in the middle of a run."""
+        rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        vocab_size = self.config.hf_config.vocab_size
+        everything = SamplingParams(top_k=max(1, vocab_size // 2), top_p=0.9, min_p=0.01, seed=0,
+                                    min_tokens=1, stop_token_ids=[0], repetition_penalty=1.1,
+                                    presence_penalty=0.1, frequency_penalty=0.1)
+        plain = SamplingParams()
+        for params, num_rows in ((everything, rows), (plain, rows), (plain, max(1, rows - 1)),
+                                 (plain, 1)):
+            seqs = [Sequence([0], params, self.block_size) for _ in range(num_rows)]
+            counts = TokenCounts(vocab_size, self.device)  # dropped after: the worst case
+            metadata = build_sampling_metadata(seqs, vocab_size, self.eos_token_ids,
+                                               lambda: counts, self._to_device)
+            logits = torch.zeros(num_rows, vocab_size, dtype=self.dtype, device=self.device)
+            self.sampler(logits, metadata)
 
     # -- a step -------------------------------------------------------------------
 
@@ -225,9 +233,7 @@ class ModelRunner:
         return blocks * self.block_size + positions % self.block_size
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(tensor, self.device)
 
     def call(self, method: str, *args) -> object:
         """Rank 0: run `method(*args)` on every rank; returns rank 0's result. Raises
@@ -236,9 +242,15 @@ class ModelRunner:
             return getattr(self, method)(*args)
         return self.workers.call(getattr(self, method), method, args)
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """One step: a token id per sequence on rank 0 (None on other ranks)."""
+        token_ids = self.execute_model(seqs, is_prefill)
+        # The step's one host sync: on CUDA everything before it only queued work.
+        return None if token_ids is None else token_ids.tolist()
+
+    @torch.inference_mode()
+    def execute_model(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """A step's work, queued on the device: the sampled ids [len(seqs)] on rank 0."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         logits = self._forward(*prepare(seqs))
         if self.rank != 0:
@@ -247,16 +259,21 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor | None:
+        graphs = self.graph_runner
         with attention_context(metadata):
-            return self.model.compute_logits(self.model(input_ids, positions))
+            if not metadata.is_prefill and graphs is not None and graphs.can_run(len(input_ids)):
+                hidden_states = graphs.run(input_ids, positions, metadata)
+            else:
+                hidden_states = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden_states)
 
     # EOS ids that min_tokens keeps from being sampled; the engine sets them.
     eos_token_ids: frozenset[int] = frozenset()
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         metadata = build_sampling_metadata(seqs, logits.shape[-1], self.eos_token_ids,
                                            lambda: self.token_counts, self._to_device)
-        return self.sampler(logits, metadata).tolist()
+        return self.sampler(logits, metadata)
 
     @cached_property
     def token_counts(self) -> TokenCounts:
@@ -264,11 +281,16 @@ class ModelRunner:
         return TokenCounts(self.config.hf_config.vocab_size, self.device)
 
     def close(self) -> None:
-        """Free the KV cache; rank 0 stops its workers, a worker leaves the process group."""
+        """Free the CUDA graphs and the KV cache; rank 0 stops its workers, a worker
+        leaves the process group."""
         if self.workers is not None:
             self._stop_workers()  # a finalizer: runs WorkerGroup.shutdown at most once
         elif self.rank > 0:
             self.tp_group.shutdown()
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
+        if self.graph_runner is not None:
+            self.graph_runner.close()
+            self.graph_runner = None
+        bind_kv_cache(self.attention_layers, None, self.backend)
         self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the device, e.g. for the next engine's sizing

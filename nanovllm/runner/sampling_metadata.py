@@ -9,6 +9,7 @@ import torch
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplingMetadata
+from nanovllm.runner.device import to_device
 from nanovllm.sampling_params import SamplingParams
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
@@ -63,10 +64,11 @@ class TokenCounts:
             self.output_counts.index_put_(self._index(output_slots, output_ids),
                                           torch.ones(len(output_ids), device=self.device),
                                           accumulate=True)
-        return torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs], device=self.device)
+        return to_device(torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs]),
+                         self.device)
 
     def _index(self, slots: list[int], token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor([slots, token_ids], device=self.device)  # [2, n]: one transfer
+        index = to_device(torch.tensor([slots, token_ids]), self.device)  # [2, n]: one transfer
         return index[0], index[1]
 
     def _assign(self, seq: Sequence) -> _Tracked:

@@ -5,7 +5,8 @@ import torch
 
 from kernel_cases import DEVICE, paged_cache, randn
 
-pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (outside the interpreter)")
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (outside the interpreter)")]
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK = 2, 8, 128, 16
 
 

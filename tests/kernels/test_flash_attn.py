@@ -7,9 +7,9 @@ import torch
 from kernel_cases import DEVICE, cu_seqlens, paged_cache, randn, rel_error
 from nanovllm.layers.context import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     DEVICE != "cuda" or importlib.util.find_spec("flash_attn") is None,
-    reason="needs CUDA (outside the interpreter) and flash-attn")
+    reason="needs CUDA (outside the interpreter) and flash-attn")]
 BLOCK, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 256, 2, 8, 128
 
 

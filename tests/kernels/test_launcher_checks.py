@@ -5,7 +5,7 @@ import torch
 
 from kernel_cases import DEVICE, requires_kernels
 
-pytestmark = requires_kernels
+pytestmark = [pytest.mark.cuda, requires_kernels]
 H, HKV, D, BS, NB = 4, 2, 64, 16, 3
 
 

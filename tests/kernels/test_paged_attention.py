@@ -9,7 +9,7 @@ from kernel_cases import (DEVICE, NAN, TOLERANCE, cu_seqlens, paged_cache, randn
 from nanovllm.layers.context import AttentionMetadata
 from nanovllm.layers.torch_attention import TorchBackend
 
-pytestmark = requires_kernels
+pytestmark = [pytest.mark.cuda, requires_kernels]
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 NUM_KV_HEADS = 2
 

@@ -6,7 +6,7 @@ import torch
 from kernel_cases import DEVICE, NAN, randn, requires_kernels
 from nanovllm.layers.torch_attention import TorchBackend
 
-pytestmark = requires_kernels
+pytestmark = [pytest.mark.cuda, requires_kernels]
 
 
 @pytest.mark.parametrize("dtype,num_kv_heads,head_dim,block_size", [

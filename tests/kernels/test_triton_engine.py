@@ -1,6 +1,7 @@
 """The whole engine on the `triton` backend against Hugging Face `transformers`: greedy
 tokens identical, through prefill without a prefix, a prefix-cache hit and chunked
 prefill (both paged prefill), and decode."""
+import pytest
 import torch
 
 from conftest import hf_greedy
@@ -15,6 +16,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.cuda
 @requires_kernels
 def test_triton_backend_greedy_matches_transformers(checkpoints):
     path = checkpoints["gqa"]

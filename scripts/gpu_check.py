@@ -1,0 +1,314 @@
+"""Everything about nanovllm's CUDA path that needs a GPU, checked and measured in one
+run that ends with a short table. Run it through scripts/gpu_check.sh.
+
+Stages, each in its own process group with a time limit, so that the whole run stays
+under 8 minutes on an H200 and the table always prints (a stage that would not fit in
+what is left of the time is reported as skipped):
+
+    tests          pytest -m cuda over the test files that carry the mark
+    bench graphs   nano-vLLM's benchmark workload (Qwen3-0.6B shape, random weights,
+    bench eager    bfloat16; 256 requests, prompt and output lengths 100-1024) through
+                   bench.py, with CUDA graphs and with enforce_eager; without bench.py,
+                   the same workload through LLM.generate (--throughput below)
+    decode step    benchmarks/decode_step.py: host vs GPU time per decode step
+    decode kernel  benchmarks/decode_attention.py: the kernel against its memory floor
+    compiled ops   benchmarks/compiled_ops.py: torch.compile'd small ops vs eager
+
+Without a CUDA GPU it prints the versions, says that no CUDA GPU is present and exits 0.
+Without pytest the tests are reported as not run (gpu_check.sh puts a copy installed with
+`pip install --target .gpu_deps pytest` on the path). Every stage's output is echoed and
+kept, with summary.json, in --out (default: $OUT when set, else a temporary directory).
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET_S = 450         # the stages' share of the 8 minutes
+MIN_STAGE_S = 20       # a stage with less time left than this is skipped
+NO_GPU = "no CUDA GPU is present: the CUDA checks need one, nothing was run"
+
+
+@dataclass
+class Stage:
+    name: str
+    status: str = "not run"  # ok | failed (exit N) | timed out | skipped (...) | not run (...)
+    seconds: float = 0.0
+    summary: str = ""
+    figures: dict = field(default_factory=dict)
+
+
+class Runner:
+    """Runs stages one after another within BUDGET_S, echoing and logging their output."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.deadline = time.monotonic() + BUDGET_S
+        self.stages: list[Stage] = []
+
+    def run(self, name: str, argv: list[str], limit_s: float) -> tuple[Stage, str]:
+        stage = Stage(name)
+        self.stages.append(stage)
+        limit = min(limit_s, self.deadline - time.monotonic())
+        if limit < MIN_STAGE_S:
+            stage.status = "skipped (out of time)"
+            return stage, ""
+        print(f"\n=== {name}: {' '.join(argv)} (limit {limit:.0f} s)", flush=True)
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True, env=child_env())
+        try:
+            output, _ = proc.communicate(timeout=limit)
+            stage.status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            output, _ = proc.communicate()
+            stage.status = f"timed out ({limit:.0f} s)"
+        _kill_group(proc.pid)  # helpers it left behind (compile workers, TP ranks)
+        stage.seconds = time.monotonic() - start
+        print(output, end="", flush=True)
+        (self.out / f"{name.replace(' ', '_')}.log").write_text(output)
+        return stage, output
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    paths = [str(ROOT)] + ([str(ROOT / ".gpu_deps")] if (ROOT / ".gpu_deps").is_dir() else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
+# -- stages ---------------------------------------------------------------------------
+
+def versions() -> dict:
+    import torch
+
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "missing"
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda or "none", "triton": version("triton"),
+            "transformers": version("transformers"), "pytest": _importable("pytest"),
+            "hypothesis": _importable("hypothesis"), "flash_attn": version("flash-attn"),
+            "commit": os.environ.get("NANOVLLM_COMMIT") or _git("rev-parse", "--short", "HEAD"),
+            "date": time.strftime("%Y-%m-%d")}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, "
+                       f"{torch.cuda.device_count()} visible")
+    return info
+
+
+def _importable(module: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", f"import {module}; print({module}.__version__)"],
+                          capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    return proc.stdout.strip() if proc.returncode == 0 else "missing"
+
+
+def _git(*args: str) -> str:
+    try:
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
+    except OSError:
+        return "unknown"
+    return proc.stdout.strip() or "unknown"
+
+
+def cuda_test_files() -> list[str]:
+    """Test files that mark CUDA tests; other files are not even imported (they may need
+    packages the image lacks, e.g. hypothesis)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                  if "pytest.mark.cuda" in p.read_text())
+
+
+def run_tests(runner: Runner, pytest_version: str) -> None:
+    if pytest_version == "missing":
+        runner.stages.append(Stage("tests", "not run (pytest missing: see gpu_check.sh)"))
+        return
+    junit = runner.out / "cuda_tests.xml"
+    stage, output = runner.run("tests", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs",
+                                    "-p", "no:cacheprovider", f"--junitxml={junit}",
+                                    *cuda_test_files()], limit_s=200)
+    counts = junit_counts(junit) if junit.exists() else progress_counts(output)
+    stage.figures = counts
+    stage.summary = (f"{counts['passed']} passed, {counts['failures']} failed, "
+                     f"{counts['errors']} errors, {counts['skipped']} skipped"
+                     + ("" if junit.exists() else " (until it stopped)"))
+
+
+def junit_counts(junit: Path) -> dict[str, int]:
+    suite = ElementTree.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("failures", "errors", "skipped")}
+    counts["passed"] = int(suite.get("tests", 0)) - sum(counts.values())
+    return counts
+
+
+def progress_counts(output: str) -> dict[str, int]:
+    """Counts from pytest -q's progress lines ("..F.s  [ 40%]"), for a run cut short
+    before it wrote its report."""
+    marks = "".join(m.group(1) for m in re.finditer(r"(?m)^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$",
+                                                    output))
+    return {"passed": marks.count(".") + marks.count("X"), "failures": marks.count("F"),
+            "errors": marks.count("E"), "skipped": marks.count("s") + marks.count("x")}
+
+
+def run_bench(runner: Runner, eager: bool) -> None:
+    result = runner.out / f"bench_{'eager' if eager else 'graphs'}.json"
+    if (ROOT / "bench.py").exists():
+        argv = [sys.executable, "bench.py", "--preset", "qwen3-0.6b", "--dtype", "bfloat16",
+                "--json", str(result)]
+    else:
+        argv = [sys.executable, str(Path(__file__)), "--throughput", "--json", str(result)]
+    stage, _ = runner.run(f"bench {'eager' if eager else 'graphs'}",
+                          argv + (["--enforce-eager"] if eager else []), limit_s=100)
+    if stage.status != "ok" or not result.exists():
+        return
+    r = stage.figures = json.loads(result.read_text())["results"][0]
+    if r.get("status") != "ok" or "output_tok_s" not in r:
+        stage.status = f"failed ({r.get('status')}: {r.get('error', '')[-200:]})"
+        return
+    stage.summary = f"{r['output_tok_s']:,.0f} output tok/s in {r['time_s']:.2f} s"
+    if r.get("mean_decode_step_ms"):
+        stage.summary += f", decode {r['mean_decode_step_ms']:.2f} ms/step"
+
+
+def run_decode_step(runner: Runner) -> None:
+    stage, output = runner.run("decode step", [sys.executable, "benchmarks/decode_step.py"],
+                               limit_s=70)
+    rows = [line.split() for line in output.splitlines() if re.match(r"\s*\d+\s+\d", line)]
+    if rows:  # batch step gpu host schedule launch wait post launch-busy
+        stage.figures = {row[0]: dict(zip(("step", "gpu", "host", "schedule", "launch", "wait",
+                                           "post", "launch_busy"), map(float, row[1:])))
+                         for row in rows}
+        stage.summary = "; ".join(
+            f"batch {b}: step {f['step']:.2f} = gpu {f['gpu']:.2f} + host {f['host']:.2f} ms, "
+            f"launch {f['launch']:.2f} idle / {f['launch_busy']:.2f} busy"
+            for b, f in stage.figures.items())
+
+
+def run_percentages(runner: Runner, name: str, argv: list[str], limit_s: float,
+                    pattern: str, unit: str) -> None:
+    """A benchmark whose table ends each row in a ratio: report their range."""
+    if not (ROOT / argv[1]).exists():
+        runner.stages.append(Stage(name, f"not run ({argv[1]} is not in this checkout)"))
+        return
+    stage, output = runner.run(name, argv, limit_s)
+    values = [float(v) for v in re.findall(pattern, output)]
+    if values:
+        stage.figures = {"min": min(values), "max": max(values), "rows": len(values)}
+        stage.summary = f"{min(values):g}{unit} .. {max(values):g}{unit} over {len(values)} rows (above)"
+
+
+def run_stages(runner: Runner, info: dict) -> None:
+    run_tests(runner, info["pytest"])
+    run_bench(runner, eager=False)
+    run_bench(runner, eager=True)
+    run_decode_step(runner)
+    run_percentages(runner, "decode kernel", [sys.executable, "benchmarks/decode_attention.py"],
+                    45, r"(?m)(\d+)%\s*$", "% of floor")
+    run_percentages(runner, "compiled ops", [sys.executable, "benchmarks/compiled_ops.py",
+                                             "--tokens", "1", "256", "2048"],
+                    40, r"([\d.]+)x\s", "x")
+
+
+# -- the table ------------------------------------------------------------------------
+
+def print_table(info: dict, stages: list[Stage]) -> None:
+    rows = [("GPU", info.get("gpu", "none")),
+            ("versions", f"python {info['python']}, torch {info['torch']} (CUDA {info['cuda']}), "
+                         f"triton {info['triton']}, transformers {info['transformers']}, "
+                         f"pytest {info['pytest']}, flash-attn {info['flash_attn']}"),
+            ("commit", f"{info['commit']} ({info['date']})")]
+    for s in stages:
+        status = f"[{s.status}, {s.seconds:.0f} s]"
+        rows.append((s.name, f"{s.summary}  {status}" if s.summary else status))
+    width = max(len(name) for name, _ in rows)
+    print("\n" + "-" * 78)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print("-" * 78, flush=True)
+
+
+def check(out: Path) -> int:
+    info = versions()
+    print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if "gpu" not in info:
+        print(NO_GPU)
+        print_table(info, [])
+        return 0
+    runner = Runner(out)
+    run_stages(runner, info)
+    (out / "summary.json").write_text(json.dumps(
+        {"info": info, "stages": [asdict(s) for s in runner.stages]}, indent=2, default=str))
+    print_table(info, runner.stages)
+    return 0 if all(s.status == "ok" for s in runner.stages) else 1
+
+
+# -- the workload without bench.py -----------------------------------------------------------
+
+def throughput(enforce_eager: bool, json_path: str) -> None:
+    """nano-vLLM's bench.py workload through LLM.generate, its figures to `json_path`."""
+    from random import randint, seed
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from dummy_qwen3 import write_dummy_checkpoint
+    from nanovllm import LLM, SamplingParams
+
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024))
+              for _ in range(256)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_dummy_checkpoint(os.path.join(tmp, "qwen3-0.6b"))
+        with LLM(path, load_format="dummy", dtype="bfloat16", enforce_eager=enforce_eager,
+                 max_model_len=4096) as llm:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm up
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+    tokens = sum(p.max_tokens for p in params)
+    print(f"Total: {tokens}tok, Time: {elapsed:.2f}s, Throughput: {tokens / elapsed:.2f}tok/s")
+    with open(json_path, "w") as f:
+        json.dump({"results": [{"status": "ok", "output_tokens": tokens, "time_s": elapsed,
+                                "output_tok_s": tokens / elapsed}]}, f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT"),
+                   help="where the logs go (default: $OUT, else a temporary directory)")
+    p.add_argument("--throughput", action="store_true",
+                   help="(internal) run only the benchmark workload through LLM.generate")
+    p.add_argument("--enforce-eager", action="store_true", help="(with --throughput)")
+    p.add_argument("--json", help="(with --throughput) where its figures go")
+    args = p.parse_args()
+    if args.throughput:
+        throughput(args.enforce_eager, args.json)
+        return
+    sys.exit(check(Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))))
+
+
+if __name__ == "__main__":
+    main()
