@@ -1,6 +1,8 @@
 """The `torch` attention backend: plain PyTorch, runs on any device. It gathers each
 sequence's keys from its block table and calls scaled_dot_product_attention; it is the
 reference the Triton kernels are tested against, and the CPU path."""
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        self._decode_step: tuple[AttentionMetadata, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # (the step's metadata, its decode groups): shared by every layer of that step
+        self._decode_step: tuple[AttentionMetadata, list[DecodeGroup]] | None = None
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -42,31 +45,73 @@ class TorchBackend:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                ctx: AttentionMetadata, scale: float) -> torch.Tensor:
-        slots, valid = self._decode_slots(ctx, k_cache.shape[1])
-        num_seqs, max_len = slots.shape
-        # [num_seqs, num_kv_heads, max_len, head_dim]: a copy of only the rows in use
-        k = _rows(k_cache, slots.view(-1)).view(num_seqs, max_len, *k_cache.shape[2:]).transpose(1, 2)
-        v = _rows(v_cache, slots.view(-1)).view(num_seqs, max_len, *v_cache.shape[2:]).transpose(1, 2)
-        return _sdpa_gqa(q.unsqueeze(2), k, v, valid, scale).squeeze(2)
+        groups = self._decode_groups(ctx, k_cache.shape[1])
+        if groups[0].rows is None:  # one group: the whole batch in order
+            return _decode_group(q, k_cache, v_cache, groups[0], scale)
+        out = torch.empty_like(q)
+        for group in groups:
+            out.index_copy_(0, group.rows, _decode_group(q.index_select(0, group.rows), k_cache,
+                                                         v_cache, group, scale))
+        return out
 
-    def _decode_slots(self, ctx: AttentionMetadata, block_size: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache slot of every context token, [num_seqs, max_len] (padding reads slot
-        0), and the mask of real ones, [num_seqs, 1, 1, max_len]. Computed once per step
-        (the metadata object) and reused by every layer."""
+    def _decode_groups(self, ctx: AttentionMetadata, block_size: int) -> list["DecodeGroup"]:
+        """The step's decode groups, computed by the first layer and reused by the rest.
+
+        On the CPU, sequences sorted by context length go in groups of
+        DECODE_GROUP_SIZE: each group is padded only to its own longest context, and its
+        gathered K/V stay small enough to be cache-friendly (several times faster than
+        one padded batch for 128 sequences). Elsewhere one group of static shape, with
+        no host sync, so the step can be captured in a CUDA graph.
+        """
         if self._decode_step is not None and self._decode_step[0] is ctx:
             return self._decode_step[1]
-        lens = ctx.context_lens
-        # On the CPU trim to the longest context; elsewhere keep the shape static (no
-        # host sync, so the step can be captured in a CUDA graph).
-        max_len = (int(lens.max()) if lens.device.type == "cpu"
-                   else ctx.block_tables.shape[1] * block_size)
-        pos = torch.arange(max_len, device=lens.device)
-        blocks = ctx.block_tables.index_select(1, pos // block_size).long()
-        valid = pos < lens[:, None]
+        lens, block_tables = ctx.context_lens, ctx.block_tables
+        if lens.device.type != "cpu":
+            groups = [DecodeGroup.make(None, block_tables, lens,
+                                       block_tables.shape[1] * block_size, block_size)]
+        elif len(lens) <= DECODE_GROUP_SIZE:
+            groups = [DecodeGroup.make(None, block_tables, lens, int(lens.max()), block_size)]
+        else:
+            host_lens = lens.tolist()
+            order = sorted(range(len(host_lens)), key=host_lens.__getitem__, reverse=True)
+            groups = []
+            for i in range(0, len(order), DECODE_GROUP_SIZE):
+                rows = torch.tensor(order[i:i + DECODE_GROUP_SIZE])
+                groups.append(DecodeGroup.make(rows, block_tables.index_select(0, rows),
+                                               lens.index_select(0, rows),
+                                               host_lens[order[i]], block_size))
+        self._decode_step = (ctx, groups)
+        return groups
+
+
+DECODE_GROUP_SIZE = 8
+
+
+class DecodeGroup(NamedTuple):
+    """Sequences that decode in one scaled_dot_product_attention call."""
+
+    rows: torch.Tensor | None  # [n] their rows in the batch; None: every row, in order
+    slots: torch.Tensor        # [n, max_len] cache slot of each context token (padding: 0)
+    mask: torch.Tensor         # [n, 1, 1, max_len] True for real tokens
+
+    @staticmethod
+    def make(rows: torch.Tensor | None, block_tables: torch.Tensor, context_lens: torch.Tensor,
+             max_len: int, block_size: int) -> "DecodeGroup":
+        pos = torch.arange(max_len, device=context_lens.device)
+        blocks = block_tables.index_select(1, pos // block_size).long()
+        valid = pos < context_lens[:, None]
         slots = (blocks * block_size + pos % block_size).masked_fill_(~valid, 0)
-        self._decode_step = (ctx, (slots, valid[:, None, None, :]))
-        return self._decode_step[1]
+        return DecodeGroup(rows, slots, valid[:, None, None, :])
+
+
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  group: DecodeGroup, scale: float) -> torch.Tensor:
+    """q [n, heads, dim] -> [n, heads, dim], one query per sequence."""
+    n, max_len = group.slots.shape
+    # [n, num_kv_heads, max_len, head_dim]: a copy of only the rows in use
+    k = _rows(k_cache, group.slots.view(-1)).view(n, max_len, *k_cache.shape[2:]).transpose(1, 2)
+    v = _rows(v_cache, group.slots.view(-1)).view(n, max_len, *v_cache.shape[2:]).transpose(1, 2)
+    return _sdpa_gqa(q.unsqueeze(2), k, v, group.mask, scale).squeeze(2)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
