@@ -12,22 +12,21 @@ weights (`load_format="dummy"`), so nothing is downloaded.
 
 `--compare` runs nanovllm and each listed peer in its own process group (killed
 afterwards, helpers included), the same workload through each, and prints a table.
-The engines themselves are in bench_engines.py.
+The engines' runners are in bench_engines.py, the process groups and the table in
+bench_compare.py.
 """
 import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import bench_compare
 import bench_engines
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
@@ -98,39 +97,41 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 # -- arguments ------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory")
+    model.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"checkpoint directory (default {DEFAULT_MODEL})")
     model.add_argument("--preset", choices=sorted(PRESETS),
                        help="a model shape with random weights (no download)")
     for name in DEFAULT_WORKLOAD:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"default {DEFAULT_WORKLOAD[name]}, or the preset's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--temperature", type=float, default=0.6, help="(default 0.6; 0 = greedy)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="(default: the checkpoint's)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="(default 4096)")
     p.add_argument("--backend", default="nanovllm", choices=BACKENDS,
-                   help="the one engine to run (without --compare)")
+                   help="the one engine to run without --compare (default nanovllm)")
     p.add_argument("--compare", default=None, metavar="PEERS",
                    help="comma-separated peers (hf, vllm) to run after nanovllm, each in its "
                         "own process, with a table of the results")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
-                   help="CPU KV-cache memory of nanovllm and vLLM, GiB (their defaults)")
+                   help="CPU KV-cache memory of nanovllm and vLLM, GiB (default 4)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of nanovllm and hf (default: torch's, one per core); "
                         "vLLM keeps its own thread binding")
-    p.add_argument("--hf-batch-size", type=int, default=16,
-                   help="requests per transformers generate() call")
+    p.add_argument("--hf-batch-size", type=int, default=32,
+                   help="requests per transformers generate() call (default 32)")
     p.add_argument("--vllm-python", default=os.environ.get("NANOVLLM_BENCH_VLLM_PYTHON",
                                                            sys.executable),
-                   help="the interpreter that has vllm installed (env NANOVLLM_BENCH_VLLM_PYTHON)")
+                   help="the interpreter that has vllm installed (default: env "
+                        "NANOVLLM_BENCH_VLLM_PYTHON, else this one)")
     p.add_argument("--timeout", type=float, default=3600,
-                   help="seconds one engine may take under --compare before it is killed")
+                   help="seconds one engine may take under --compare (default 3600)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
     return p
 
@@ -277,37 +278,22 @@ def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[s
     return argv + ["--backend", backend, "--json", json_path]
 
 
-def run_in_process_group(args: argparse.Namespace, backend: str) -> dict:
-    """Run one engine as `bench.py --backend X` in a new session and kill the whole group
-    afterwards (vLLM leaves helper processes). Memory is the group's peak: resident
-    memory summed over its processes, and on CUDA the device memory in use."""
+def run_peer(args: argparse.Namespace, backend: str) -> dict:
+    """One engine as `bench.py --backend X` in its own process group."""
     python = args.vllm_python if backend == "vllm" else sys.executable
     if not os.path.exists(python):
         return {"engine": backend, "status": "not installed", "error": f"no interpreter {python}"}
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         json_path = os.path.join(tmp, "result.json")
         cmd = [python, os.path.abspath(__file__), *child_argv(args, backend, json_path)]
-        monitor = MemoryMonitor(cuda=uses_cuda(args.device))
-        proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-        monitor.start(proc.pid)
-        try:
-            _, stderr = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid)
-            _, stderr = proc.communicate()
-            return {"engine": backend, "status": f"timed out ({args.timeout:.0f}s)",
-                    "error": stderr[-2000:]}
-        finally:
-            monitor.stop()
-            kill_group(proc.pid)
-        if proc.returncode != 0 or not os.path.isfile(json_path):
-            return {"engine": backend, "status": f"failed (exit {proc.returncode})",
-                    "error": stderr[-2000:]}
+        run = bench_compare.run_in_process_group(cmd, args.timeout, uses_cuda(args.device))
+        if run.status != "ok" or not os.path.isfile(json_path):
+            status = run.status if run.status != "ok" else "failed (no result)"
+            return {"engine": backend, "status": status, "error": run.stderr[-2000:]}
         with open(json_path) as f:
             result = json.load(f)["results"][0]
     if result["status"] == "ok":
-        result.update(peak_rss_mib=monitor.peak_rss_mib, peak_gpu_mib=monitor.peak_gpu_mib)
+        result.update(peak_rss_mib=run.peak_rss_mib, peak_gpu_mib=run.peak_gpu_mib)
     return result
 
 
@@ -319,112 +305,31 @@ def uses_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already gone
-
-
-class MemoryMonitor:
-    """Polls the peak memory of one process group: resident memory summed over its
-    processes (from /proc, Linux) and, on CUDA, device memory in use above the level
-    found before the group started."""
-
-    def __init__(self, cuda: bool, interval_s: float = 0.2):
-        self.interval_s = interval_s
-        self.peak_rss_mib = 0.0
-        self.peak_gpu_mib = 0.0 if cuda else None
-        self._gpu_base = _cuda_used_mib() if cuda else 0.0
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, pgid: int) -> None:
-        self._thread = threading.Thread(target=self._poll, args=(pgid,), daemon=True)
-        self._thread.start()
-
-    def _poll(self, pgid: int) -> None:
-        page = os.sysconf("SC_PAGE_SIZE")
-        while not self._done.wait(self.interval_s):
-            pages = sum(rss for pgrp, rss in _proc_stats() if pgrp == pgid)
-            self.peak_rss_mib = max(self.peak_rss_mib, pages * page / 2**20)
-            if self.peak_gpu_mib is not None:
-                self.peak_gpu_mib = max(self.peak_gpu_mib, _cuda_used_mib() - self._gpu_base)
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
-def _cuda_used_mib() -> float:
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**20
-
-
-def _proc_stats():
-    """(process group, resident pages) of every process we can read."""
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # the process ended meanwhile
-            yield int(fields[2]), int(fields[21])  # stat fields 5 (pgrp) and 24 (rss)
-
-
-def print_table(results: list[dict]) -> None:
-    ours = results[0]
-    gpu = any(r.get("peak_gpu_mib") is not None for r in results)
-    rows = [["engine", "output tok/s", "total tok/s", "time (s)", "peak RSS (MiB)",
-             *(["peak GPU (MiB)"] if gpu else []), "nanovllm / engine"]]
-    for r in results:
-        if r["status"] != "ok":
-            rows.append([r["engine"], r["status"]] + [""] * (len(rows[0]) - 2))
-            continue
-        ratio = (f"{ours['output_tok_s'] / r['output_tok_s']:.2f}x"
-                 if ours["status"] == "ok" else "")
-        memory = [f"{r['peak_rss_mib']:.0f}"]
-        if gpu:
-            memory.append(f"{r['peak_gpu_mib']:.0f}" if r.get("peak_gpu_mib") is not None else "")
-        rows.append([r["engine"], f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
-                     f"{r['time_s']:.2f}", *memory, ratio])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for i, row in enumerate(rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.peers:
-        results = [run_in_process_group(args, b) for b in ["nanovllm", *args.peers]]
+        results = [run_peer(args, b) for b in ["nanovllm", *args.peers]]
         for r in results:
             if r["status"] != "ok" and r.get("error"):
                 print(f"{r['engine']}: {r['error']}", file=sys.stderr)
-        print_table(results)
+        bench_compare.print_table(results)
         print_result(results[0])
     else:
         results = [run_backend(args)]
         print_result(results[0])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "machine": machine(),
+            json.dump({"args": vars(args), "machine": machine(),
                        "results": results}, f, indent=2)
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+    """What the figures were measured on, and how busy it was (1-minute load average)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                 if line.startswith("model name")), "unknown")
-    return {"cpu": cpu, "cores": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def _read_lines(path: str) -> list[str]:
-    return Path(path).read_text().splitlines() if os.path.exists(path) else []
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 if __name__ == "__main__":
