@@ -67,19 +67,20 @@ class TorchBackend:
             return self._decode_step[1]
         lens, block_tables = ctx.context_lens, ctx.block_tables
         if lens.device.type != "cpu":
-            groups = [DecodeGroup.make(None, block_tables, lens,
-                                       block_tables.shape[1] * block_size, block_size)]
+            width = block_tables.shape[1] * block_size
+            groups = [DecodeGroup(None, *slot_matrix(block_tables, lens, width, block_size))]
         elif len(lens) <= DECODE_GROUP_SIZE:
-            groups = [DecodeGroup.make(None, block_tables, lens, int(lens.max()), block_size)]
+            groups = [DecodeGroup(None, *slot_matrix(block_tables, lens, int(lens.max()),
+                                                     block_size))]
         else:
+            lens, order = lens.sort(descending=True)
             host_lens = lens.tolist()
-            order = sorted(range(len(host_lens)), key=host_lens.__getitem__, reverse=True)
-            groups = []
-            for i in range(0, len(order), DECODE_GROUP_SIZE):
-                rows = torch.tensor(order[i:i + DECODE_GROUP_SIZE])
-                groups.append(DecodeGroup.make(rows, block_tables.index_select(0, rows),
-                                               lens.index_select(0, rows),
-                                               host_lens[order[i]], block_size))
+            slots, valid = slot_matrix(block_tables.index_select(0, order), lens, host_lens[0],
+                                       block_size)
+            groups = [DecodeGroup(order[i:i + DECODE_GROUP_SIZE],
+                                  slots[i:i + DECODE_GROUP_SIZE, :host_lens[i]].contiguous(),
+                                  valid[i:i + DECODE_GROUP_SIZE, ..., :host_lens[i]])
+                      for i in range(0, len(host_lens), DECODE_GROUP_SIZE)]
         self._decode_step = (ctx, groups)
         return groups
 
@@ -94,14 +95,16 @@ class DecodeGroup(NamedTuple):
     slots: torch.Tensor        # [n, max_len] cache slot of each context token (padding: 0)
     mask: torch.Tensor         # [n, 1, 1, max_len] True for real tokens
 
-    @staticmethod
-    def make(rows: torch.Tensor | None, block_tables: torch.Tensor, context_lens: torch.Tensor,
-             max_len: int, block_size: int) -> "DecodeGroup":
-        pos = torch.arange(max_len, device=context_lens.device)
-        blocks = block_tables.index_select(1, pos // block_size).long()
-        valid = pos < context_lens[:, None]
-        slots = (blocks * block_size + pos % block_size).masked_fill_(~valid, 0)
-        return DecodeGroup(rows, slots, valid[:, None, None, :])
+
+def slot_matrix(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of each sequence's first max_len positions, [n, max_len] (0 past
+    the context), and which are real, [n, 1, 1, max_len]."""
+    pos = torch.arange(max_len, device=context_lens.device)
+    blocks = block_tables.index_select(1, pos // block_size).long()
+    valid = pos < context_lens[:, None]
+    slots = (blocks * block_size + pos % block_size).masked_fill_(~valid, 0)
+    return slots, valid[:, None, None, :]
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
