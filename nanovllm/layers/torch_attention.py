@@ -1,6 +1,10 @@
-"""The `torch` attention backend: plain PyTorch, runs on any device. It gathers each
-sequence's keys from its block table and calls scaled_dot_product_attention; it is the
-reference the Triton kernels are tested against, and the CPU path."""
+"""The `torch` attention backend: plain PyTorch, runs on any device; the reference the
+Triton kernels are tested against, and the CPU path.
+
+Prefill: one scaled_dot_product_attention per sequence over its chunk (and its cached
+prefix, gathered from its block table). Decode: the K/V rows in use are gathered from
+the paged cache into a dense copy and attended with one call per group of sequences
+(on the CPU: sorted by context length, DECODE_GROUP_SIZE per group)."""
 from typing import NamedTuple
 
 import torch
@@ -17,8 +21,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        # (the step's metadata, its decode groups): shared by every layer of that step
-        self._decode_step: tuple[AttentionMetadata, list[DecodeGroup]] | None = None
+        # (the step's metadata, its decode plan): shared by every layer of that step
+        self._decode_step: tuple[AttentionMetadata, DecodePlan] | None = None
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -45,17 +49,16 @@ class TorchBackend:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                ctx: AttentionMetadata, scale: float) -> torch.Tensor:
-        groups = self._decode_groups(ctx, k_cache.shape[1])
-        if groups[0].rows is None:  # one group: the whole batch in order
-            return _decode_group(q, k_cache, v_cache, groups[0], scale)
-        out = torch.empty_like(q)
-        for group in groups:
-            out.index_copy_(0, group.rows, _decode_group(q.index_select(0, group.rows), k_cache,
-                                                         v_cache, group, scale))
-        return out
+        plan = self._decode_plan(ctx, k_cache.shape[1])
+        if plan.order is None:
+            return _decode_group(q, k_cache, v_cache, plan.groups[0], scale)
+        q = q.index_select(0, plan.order)
+        out = [_decode_group(q[g.start:g.start + len(g.slots)], k_cache, v_cache, g, scale)
+               for g in plan.groups]
+        return torch.cat(out).index_select(0, plan.restore)
 
-    def _decode_groups(self, ctx: AttentionMetadata, block_size: int) -> list["DecodeGroup"]:
-        """The step's decode groups, computed by the first layer and reused by the rest.
+    def _decode_plan(self, ctx: AttentionMetadata, block_size: int) -> "DecodePlan":
+        """The step's plan, made by the first layer and reused by the rest.
 
         On the CPU, sequences sorted by context length go in groups of
         DECODE_GROUP_SIZE: each group is padded only to its own longest context, and its
@@ -66,34 +69,39 @@ class TorchBackend:
         if self._decode_step is not None and self._decode_step[0] is ctx:
             return self._decode_step[1]
         lens, block_tables = ctx.context_lens, ctx.block_tables
-        if lens.device.type != "cpu":
-            width = block_tables.shape[1] * block_size
-            groups = [DecodeGroup(None, *slot_matrix(block_tables, lens, width, block_size))]
-        elif len(lens) <= DECODE_GROUP_SIZE:
-            groups = [DecodeGroup(None, *slot_matrix(block_tables, lens, int(lens.max()),
-                                                     block_size))]
+        if lens.device.type != "cpu" or len(lens) <= DECODE_GROUP_SIZE:
+            width = (block_tables.shape[1] * block_size if lens.device.type != "cpu"
+                     else int(lens.max()))
+            plan = DecodePlan(None, None,
+                              [DecodeGroup(0, *slot_matrix(block_tables, lens, width, block_size))])
         else:
             lens, order = lens.sort(descending=True)
             host_lens = lens.tolist()
             slots, valid = slot_matrix(block_tables.index_select(0, order), lens, host_lens[0],
                                        block_size)
-            groups = [DecodeGroup(order[i:i + DECODE_GROUP_SIZE],
-                                  slots[i:i + DECODE_GROUP_SIZE, :host_lens[i]].contiguous(),
+            groups = [DecodeGroup(i, slots[i:i + DECODE_GROUP_SIZE, :host_lens[i]].contiguous(),
                                   valid[i:i + DECODE_GROUP_SIZE, ..., :host_lens[i]])
                       for i in range(0, len(host_lens), DECODE_GROUP_SIZE)]
-        self._decode_step = (ctx, groups)
-        return groups
+            plan = DecodePlan(order, order.argsort(), groups)
+        self._decode_step = (ctx, plan)
+        return plan
 
 
 DECODE_GROUP_SIZE = 8
 
 
 class DecodeGroup(NamedTuple):
-    """Sequences that decode in one scaled_dot_product_attention call."""
+    """Consecutive rows of the (sorted) batch that decode in one attention call."""
 
-    rows: torch.Tensor | None  # [n] their rows in the batch; None: every row, in order
-    slots: torch.Tensor        # [n, max_len] cache slot of each context token (padding: 0)
-    mask: torch.Tensor         # [n, 1, 1, max_len] True for real tokens
+    start: int             # its first row
+    slots: torch.Tensor    # [n, max_len] cache slot of each context token (padding: 0)
+    mask: torch.Tensor     # [n, 1, 1, max_len] True for real tokens
+
+
+class DecodePlan(NamedTuple):
+    order: torch.Tensor | None    # batch rows by context length, longest first; None: as is
+    restore: torch.Tensor | None  # the inverse permutation, back to batch order
+    groups: list[DecodeGroup]
 
 
 def slot_matrix(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int,
