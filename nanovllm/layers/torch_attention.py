@@ -1,6 +1,12 @@
-"""The `torch` attention backend: plain PyTorch, runs on any device. It gathers each
-sequence's keys from its block table and calls scaled_dot_product_attention; it is the
-reference the Triton kernels are tested against, and the CPU path."""
+"""The `torch` attention backend: plain PyTorch, runs on any device; the reference the
+Triton kernels are tested against, and the CPU path.
+
+Prefill: one scaled_dot_product_attention per sequence over its chunk (and its cached
+prefix, gathered from its block table). Decode: the K/V rows in use are gathered from
+the paged cache into a dense copy and attended with one call per group of sequences
+(on the CPU: sorted by context length, DECODE_GROUP_SIZE per group)."""
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +19,10 @@ class TorchBackend:
     """Reference attention in plain PyTorch (see AttentionBackend for the shapes)."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        # (the step's metadata, its decode plan): shared by every layer of that step
+        self._decode_step: tuple[AttentionMetadata, DecodePlan] | None = None
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -39,23 +49,93 @@ class TorchBackend:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                ctx: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_seqs, num_blocks = ctx.block_tables.shape
-        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        max_len = num_blocks * block_size
-        block_tables = ctx.block_tables.clamp_min(0)  # padding reads block 0, masked below
-        # [num_seqs, num_kv_heads, max_len, head_dim]
-        k = k_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        valid = torch.arange(max_len, device=q.device) < ctx.context_lens[:, None]
-        out = _sdpa_gqa(q.unsqueeze(2), k, v, valid[:, None, None, :], scale)
-        return out.squeeze(2)
+        plan = self._decode_plan(ctx, k_cache.shape[1])
+        if plan.order is None:
+            return _decode_group(q, k_cache, v_cache, plan.groups[0], scale)
+        q = q.index_select(0, plan.order)
+        out = [_decode_group(q[g.start:g.start + len(g.slots)], k_cache, v_cache, g, scale)
+               for g in plan.groups]
+        return torch.cat(out).index_select(0, plan.restore)
+
+    def _decode_plan(self, ctx: AttentionMetadata, block_size: int) -> "DecodePlan":
+        """The step's plan, made by the first layer and reused by the rest.
+
+        On the CPU, sequences sorted by context length go in groups of
+        DECODE_GROUP_SIZE: each group is padded only to its own longest context, and its
+        gathered K/V stay small enough to be cache-friendly (several times faster than
+        one padded batch for 128 sequences). Elsewhere one group of static shape, with
+        no host sync, so the step can be captured in a CUDA graph.
+        """
+        if self._decode_step is not None and self._decode_step[0] is ctx:
+            return self._decode_step[1]
+        lens, block_tables = ctx.context_lens, ctx.block_tables
+        if lens.device.type != "cpu" or len(lens) <= DECODE_GROUP_SIZE:
+            width = (block_tables.shape[1] * block_size if lens.device.type != "cpu"
+                     else int(lens.max()))
+            plan = DecodePlan(None, None,
+                              [DecodeGroup(0, *slot_matrix(block_tables, lens, width, block_size))])
+        else:
+            lens, order = lens.sort(descending=True)
+            host_lens = lens.tolist()
+            slots, valid = slot_matrix(block_tables.index_select(0, order), lens, host_lens[0],
+                                       block_size)
+            groups = [DecodeGroup(i, slots[i:i + DECODE_GROUP_SIZE, :host_lens[i]].contiguous(),
+                                  valid[i:i + DECODE_GROUP_SIZE, ..., :host_lens[i]])
+                      for i in range(0, len(host_lens), DECODE_GROUP_SIZE)]
+            plan = DecodePlan(order, order.argsort(), groups)
+        self._decode_step = (ctx, plan)
+        return plan
+
+
+DECODE_GROUP_SIZE = 8
+
+
+class DecodeGroup(NamedTuple):
+    """Consecutive rows of the (sorted) batch that decode in one attention call."""
+
+    start: int             # its first row
+    slots: torch.Tensor    # [n, max_len] cache slot of each context token (padding: 0)
+    mask: torch.Tensor     # [n, 1, 1, max_len] True for real tokens
+
+
+class DecodePlan(NamedTuple):
+    order: torch.Tensor | None    # batch rows by context length, longest first; None: as is
+    restore: torch.Tensor | None  # the inverse permutation, back to batch order
+    groups: list[DecodeGroup]
+
+
+def slot_matrix(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of each sequence's first max_len positions, [n, max_len] (0 past
+    the context), and which are real, [n, 1, 1, max_len]."""
+    pos = torch.arange(max_len, device=context_lens.device)
+    blocks = block_tables.index_select(1, pos // block_size).long()
+    valid = pos < context_lens[:, None]
+    slots = (blocks * block_size + pos % block_size).masked_fill_(~valid, 0)
+    return slots, valid[:, None, None, :]
+
+
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  group: DecodeGroup, scale: float) -> torch.Tensor:
+    """q [n, heads, dim] -> [n, heads, dim], one query per sequence."""
+    n, max_len = group.slots.shape
+    # [n, num_kv_heads, max_len, head_dim]: a copy of only the rows in use
+    k = _rows(k_cache, group.slots.view(-1)).view(n, max_len, *k_cache.shape[2:]).transpose(1, 2)
+    v = _rows(v_cache, group.slots.view(-1)).view(n, max_len, *v_cache.shape[2:]).transpose(1, 2)
+    return _sdpa_gqa(q.unsqueeze(2), k, v, group.mask, scale).squeeze(2)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens' rows of one sequence: [length, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    blocks = block_table[: (length + block_size - 1) // block_size]
-    return cache[blocks].flatten(0, 1)[:length]
+    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    return cache.index_select(0, blocks).flatten(0, 1)[:length]
+
+
+def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, ...] rows at flat slots: [len(slots), ...].
+    index_select, not cache[slots]: on the CPU it is several times faster."""
+    return cache.flatten(0, 1).index_select(0, slots)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

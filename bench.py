@@ -1,0 +1,336 @@
+"""nano-vLLM's throughput benchmark, and the same workload through its peers.
+
+    python bench.py                                # nano-vLLM's run: Qwen3-0.6B, 256 requests
+    python bench.py --preset cpu-small             # a small random model: ~1 min on 2 CPU cores
+    python bench.py --preset cpu-small --compare hf,vllm
+
+The workload is seeded: `num_seqs` prompts of random token ids, prompt and output
+lengths uniform in their ranges, `ignore_eos` so every request makes exactly its
+`max_tokens`. One warm-up generate, then the timed one. `--preset` writes a model's
+config.json (and a placeholder tokenizer) to a temporary directory and runs on random
+weights (`load_format="dummy"`), so nothing is downloaded.
+
+`--compare` runs nanovllm and each listed peer in its own process group (killed
+afterwards, helpers included), the same workload through each, and prints a table.
+The engines' runners are in bench_engines.py, the process groups and the table in
+bench_compare.py.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import bench_compare
+import bench_engines
+
+DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
+BACKENDS = ("nanovllm", "hf", "vllm")
+# Qwen/Qwen3-0.6B's config.json.
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+# nano-vLLM's workload; a preset may override it, a flag overrides both.
+DEFAULT_WORKLOAD = {"num_seqs": 256, "min_input_len": 100, "max_input_len": 1024,
+                    "min_output_len": 100, "max_output_len": 1024}
+
+
+@dataclass(frozen=True)
+class Preset:
+    config: dict
+    workload: dict
+
+
+PRESETS = {
+    "qwen3-0.6b": Preset(QWEN3_0_6B, {}),
+    # Qwen3's architecture shrunk to ~5M parameters (float32): per-step overhead and
+    # batching dominate, the home ground of continuous batching.
+    "cpu-small": Preset(
+        dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096,
+             max_position_embeddings=4096, torch_dtype="float32", bos_token_id=0,
+             eos_token_id=1),
+        {"num_seqs": 128, "min_input_len": 16, "max_input_len": 256, "min_output_len": 16,
+         "max_output_len": 256}),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]   # token ids
+    output_lens: list[int]     # max_tokens of each request (ignore_eos: exactly that many)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    """nano-vLLM's workload: token ids uniform in [0, 10000] (capped by the vocabulary),
+    lengths uniform in [min, max], all drawn from one seeded generator."""
+    rng = random.Random(args.seed)
+    max_token = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, max_token) for _ in range(rng.randint(args.min_input_len,
+                                                                     args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    output_lens = [rng.randint(args.min_output_len, args.max_output_len)
+                   for _ in range(args.num_seqs)]
+    return Workload(prompts, output_lens)
+
+
+# -- arguments ------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"checkpoint directory (default {DEFAULT_MODEL})")
+    model.add_argument("--preset", choices=sorted(PRESETS),
+                       help="a model shape with random weights (no download)")
+    for name in DEFAULT_WORKLOAD:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"default {DEFAULT_WORKLOAD[name]}, or the preset's")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--temperature", type=float, default=0.6, help="(default 0.6; 0 = greedy)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="(default: the checkpoint's)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="(default 4096)")
+    p.add_argument("--backend", default="nanovllm", choices=BACKENDS,
+                   help="the one engine to run without --compare (default nanovllm)")
+    p.add_argument("--compare", default=None, metavar="PEERS",
+                   help="comma-separated peers (hf, vllm) to run after nanovllm, each in its "
+                        "own process, with a table of the results")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0,
+                   help="CPU KV-cache memory of nanovllm and vLLM, GiB (default 4)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of nanovllm and hf (default: torch's, one per core); "
+                        "vLLM keeps its own thread binding")
+    p.add_argument("--hf-batch-size", type=int, default=32,
+                   help="requests per transformers generate() call (default 32)")
+    p.add_argument("--vllm-python", default=os.environ.get("NANOVLLM_BENCH_VLLM_PYTHON",
+                                                           sys.executable),
+                   help="the interpreter that has vllm installed (default: env "
+                        "NANOVLLM_BENCH_VLLM_PYTHON, else this one)")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds one engine may take under --compare (default 3600)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and complete the arguments: workload from flag, else preset, else default.
+    A bad combination exits with argparse's usage error naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset].workload if args.preset else {}
+    for name, default in DEFAULT_WORKLOAD.items():
+        if getattr(args, name) is None:
+            setattr(args, name, preset.get(name, default))
+    try:
+        args.peers = check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Raise ValueError naming a bad value; return the peers of --compare."""
+    for name in ("num_seqs", "min_input_len", "min_output_len", "tp", "hf_batch_size", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for kind in ("input", "output"):
+        low, high = getattr(args, f"min_{kind}_len"), getattr(args, f"max_{kind}_len")
+        if low > high:
+            raise ValueError(f"--min-{kind}-len ({low}) is larger than --max-{kind}-len ({high})")
+    if args.max_input_len + args.max_output_len > args.max_model_len:
+        raise ValueError(f"--max-input-len + --max-output-len ({args.max_input_len} + "
+                         f"{args.max_output_len}) exceeds --max-model-len ({args.max_model_len})")
+    if args.kv_cache_gib <= 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    peers = [p.strip() for p in args.compare.split(",") if p.strip()] if args.compare else []
+    unknown = [p for p in peers if p not in BACKENDS[1:]]
+    if unknown:
+        raise ValueError(f"--compare takes peers from {', '.join(BACKENDS[1:])}; "
+                         f"got {', '.join(unknown)}")
+    return peers
+
+
+# -- the model --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    load_format: str      # "auto" (the checkpoint's weights) or "dummy" (random)
+    hf_config: dict       # config.json
+    dtype: str            # --dtype, "auto" resolved to the checkpoint's: every engine gets it
+
+
+@contextmanager
+def model_spec(args: argparse.Namespace):
+    """The checkpoint to run: --model, or a temporary directory written for --preset."""
+    if not args.preset:
+        path = os.path.expanduser(args.model)
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise SystemExit(f"no config.json in {path!r}: pass --model DIR, or --preset "
+                             f"{{{','.join(sorted(PRESETS))}}} for random weights")
+        with open(config_file) as f:
+            config = json.load(f)
+        yield ModelSpec(path, "auto", config, resolve_dtype(args.dtype, config))
+        return
+    config = PRESETS[args.preset].config
+    with tempfile.TemporaryDirectory(prefix=f"bench-{args.preset}-") as path:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        write_placeholder_tokenizer(path, config["vocab_size"])
+        yield ModelSpec(path, "dummy", config, resolve_dtype(args.dtype, config))
+
+
+def resolve_dtype(dtype: str, hf_config: dict) -> str:
+    """"auto" is the checkpoint's dtype, as nanovllm reads it (vLLM's CPU build would
+    otherwise run a float32 checkpoint in bfloat16)."""
+    if dtype != "auto":
+        return dtype
+    return str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+
+
+def write_placeholder_tokenizer(path: str, vocab_size: int) -> None:
+    """A tokenizer with one word per id ("<17>"), so engines that load one can start
+    and decode ids; the benchmark itself feeds token ids and never tokenizes text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+
+
+# -- one engine ---------------------------------------------------------------------------
+
+def run_backend(args: argparse.Namespace) -> dict:
+    """Run the workload through args.backend in this process; return its figures."""
+    if args.threads and args.backend != "vllm":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    with model_spec(args) as spec:
+        workload = make_workload(args, spec.hf_config["vocab_size"])
+        run = bench_engines.RUNNERS[args.backend]
+        result = run(args, spec, workload)
+    if result["status"] == "ok":
+        result.update(throughput(result["time_s"], workload))
+        result.setdefault("peak_rss_mib", bench_engines.self_peak_rss_mib())
+    result.update(engine=args.backend, requested_output_tokens=workload.num_output_tokens)
+    return result
+
+
+def throughput(time_s: float, workload: Workload) -> dict:
+    return {"num_prompt_tokens": workload.num_prompt_tokens,
+            "output_tok_s": workload.num_output_tokens / time_s,
+            "total_tok_s": (workload.num_prompt_tokens + workload.num_output_tokens) / time_s}
+
+
+def print_result(result: dict) -> None:
+    if result["status"] != "ok":
+        print(f"{result['engine']}: {result['status']} {result.get('error', '')}".rstrip())
+        return
+    print(f"Total: {result['output_tokens']}tok, Time: {result['time_s']:.2f}s, "
+          f"Throughput: {result['output_tok_s']:.2f}tok/s")
+    if result.get("decode_time_s") is not None:
+        print(f"  prefill {result['prefill_time_s']:.2f}s, decode {result['decode_time_s']:.2f}s "
+              f"over {result['num_decode_steps']} steps ({result['mean_decode_step_ms']:.2f} "
+              f"ms/step), decode bandwidth (est.) {result['decode_bandwidth_gb_s']:.1f} GB/s")
+
+
+# -- peers side by side ---------------------------------------------------------------------
+
+def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[str]:
+    """This run's resolved arguments for one engine in its own process."""
+    argv = ["--preset", args.preset] if args.preset else ["--model", args.model]
+    for name in (*DEFAULT_WORKLOAD, "seed", "temperature", "dtype", "device", "tp",
+                 "max_model_len", "kv_cache_gib", "threads", "hf_batch_size"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv + ["--backend", backend, "--json", json_path]
+
+
+def run_peer(args: argparse.Namespace, backend: str) -> dict:
+    """One engine as `bench.py --backend X` in its own process group."""
+    python = args.vllm_python if backend == "vllm" else sys.executable
+    if not os.path.exists(python):
+        return {"engine": backend, "status": "not installed", "error": f"no interpreter {python}"}
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        json_path = os.path.join(tmp, "result.json")
+        cmd = [python, os.path.abspath(__file__), *child_argv(args, backend, json_path)]
+        run = bench_compare.run_in_process_group(cmd, args.timeout, uses_cuda(args.device))
+        if run.status != "ok" or not os.path.isfile(json_path):
+            status = run.status if run.status != "ok" else "failed (no result)"
+            return {"engine": backend, "status": status, "error": run.stderr[-2000:]}
+        with open(json_path) as f:
+            result = json.load(f)["results"][0]
+    if result["status"] == "ok":
+        result.update(peak_rss_mib=run.peak_rss_mib, peak_gpu_mib=run.peak_gpu_mib)
+    return result
+
+
+def uses_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.peers:
+        results = [run_peer(args, b) for b in ["nanovllm", *args.peers]]
+        for r in results:
+            if r["status"] != "ok" and r.get("error"):
+                print(f"{r['engine']}: {r['error']}", file=sys.stderr)
+        bench_compare.print_table(results)
+        print_result(results[0])
+    else:
+        results = [run_backend(args)]
+        print_result(results[0])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "machine": machine(),
+                       "results": results}, f, indent=2)
+
+
+def machine() -> dict:
+    """What the figures were measured on, and how busy it was (1-minute load average)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                if line.startswith("model name")), "unknown")
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+if __name__ == "__main__":
+    main()

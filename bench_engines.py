@@ -1,0 +1,204 @@
+"""The engines bench.py runs, one per process: nanovllm, transformers (`hf`) and vLLM.
+
+Each runner takes the same workload (token-id prompts, one output length per request,
+`ignore_eos`), does one small warm-up generate, times the real one, and returns its
+figures as a dict: status, time_s, output_tokens, and what else it can tell.
+Only token ids are produced: no engine spends timed work on detokenizing.
+"""
+import os
+import resource
+from time import perf_counter
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+WARMUP_PROMPTS, WARMUP_PROMPT_LEN, WARMUP_TOKENS = 4, 32, 8
+
+
+def warmup_prompts(workload) -> list[list[int]]:
+    return [p[:WARMUP_PROMPT_LEN] for p in workload.prompts[:WARMUP_PROMPTS]]
+
+
+def self_peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _peak_gpu_mib() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_reserved() / 2**20 if torch.cuda.is_initialized() else None
+
+
+# -- nanovllm -------------------------------------------------------------------------------
+
+def run_nanovllm(args, spec, workload) -> dict:
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(spec.path, load_format=spec.load_format, dtype=spec.dtype, device=args.device,
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
+              max_model_len=args.max_model_len, cpu_kvcache_space_gib=args.kv_cache_gib)
+    try:
+        warmup = SamplingParams(temperature=args.temperature, max_tokens=WARMUP_TOKENS,
+                                ignore_eos=True)
+        llm.generate(warmup_prompts(workload), warmup, use_tqdm=False)
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True)
+                  for n in workload.output_lens]
+        result = _timed_steps(llm, workload.prompts, params)
+        result["peak_gpu_mib"] = _peak_gpu_mib()
+    finally:
+        llm.close()
+    result.update(decode_figures(result, spec.hf_config, spec.dtype, workload))
+    return result
+
+
+def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:
+    """generate()'s loop, timing each step: a step is all prefill or all decode."""
+    start = perf_counter()
+    for prompt, sp in zip(prompts, params):
+        llm.add_request(prompt, sp)
+    prefill_s = decode_s = 0.0
+    num_decode_steps = output_tokens = 0
+    while not llm.is_finished():
+        step_start = perf_counter()
+        out = llm.step()
+        elapsed = perf_counter() - step_start
+        if out.num_prefill_tokens:
+            prefill_s += elapsed
+        else:
+            decode_s += elapsed
+            num_decode_steps += 1
+        output_tokens += sum(len(token_ids) for _, token_ids in out.finished)
+    return {"status": "ok", "time_s": perf_counter() - start, "output_tokens": output_tokens,
+            "prefill_time_s": prefill_s, "decode_time_s": decode_s,
+            "num_decode_steps": num_decode_steps}
+
+
+def decode_figures(result: dict, hf_config: dict, dtype: str, workload) -> dict:
+    """Mean decode step time and gpt-fast's achieved-bandwidth estimate: the bytes a
+    decode step must read (weights, and each sequence's K/V so far) over its time."""
+    steps = result["num_decode_steps"]
+    if not steps:
+        return {"mean_decode_step_ms": None, "decode_bandwidth_gb_s": None}
+    itemsize = _ITEMSIZE[dtype]
+    # Output token j >= 2 of a request comes from a decode step over P + j - 1 tokens.
+    kv_tokens = sum((n - 1) * len(p) + (n - 1) * n // 2
+                    for p, n in zip(workload.prompts, workload.output_lens))
+    read = steps * weight_bytes_per_step(hf_config, itemsize) + kv_tokens * kv_bytes_per_token(
+        hf_config, itemsize)
+    return {"mean_decode_step_ms": 1e3 * result["decode_time_s"] / steps,
+            "decode_bandwidth_gb_s": read / result["decode_time_s"] / 1e9}
+
+
+def weight_bytes_per_step(c: dict, itemsize: int) -> int:
+    """Every weight is read once per step, except an untied input embedding (a lookup)."""
+    hidden, head_dim = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c[
+        "num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    layer = (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * c["intermediate_size"]
+             + 2 * hidden + 2 * head_dim)
+    return itemsize * (c["num_hidden_layers"] * layer + hidden + c["vocab_size"] * hidden)
+
+
+def kv_bytes_per_token(c: dict, itemsize: int) -> int:
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * itemsize
+
+
+# -- transformers ---------------------------------------------------------------------------
+
+def run_hf(args, spec, workload) -> dict:
+    """transformers generate() as its users batch it: fixed-size batches in request order,
+    left-padded, max_new_tokens = the longest request of the batch. Only the requested
+    tokens count as output; the rest of a batch's tokens are its padding cost."""
+    import torch
+
+    if args.tp != 1:
+        return {"status": "unsupported", "error": "the hf peer runs on one device (--tp 1)"}
+    model, device = _hf_model(args, spec)
+    torch.manual_seed(args.seed)
+    generate = _hf_generate(model, device, args.temperature)
+    generate(warmup_prompts(workload), WARMUP_TOKENS)
+    start = perf_counter()
+    for i in range(0, len(workload.prompts), args.hf_batch_size):
+        generate(workload.prompts[i:i + args.hf_batch_size],
+                 max(workload.output_lens[i:i + args.hf_batch_size]))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"status": "ok", "time_s": perf_counter() - start,
+            "output_tokens": workload.num_output_tokens, "peak_gpu_mib": _peak_gpu_mib()}
+
+
+def _hf_model(args, spec):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(args.device if args.device != "auto" else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = AutoConfig.from_pretrained(spec.path)
+    dtype = getattr(torch, spec.dtype)
+    if spec.load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+    model.generation_config.eos_token_id = None  # ignore_eos: always max_new_tokens
+    return model.to(device).eval(), device
+
+
+def _hf_generate(model, device, temperature: float):
+    import torch
+
+    sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+                if temperature > 0 else {"do_sample": False})
+
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> None:
+        width = max(map(len, prompts))
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        out = model.generate(input_ids=input_ids.to(device),
+                             attention_mask=attention_mask.to(device),
+                             max_new_tokens=max_new_tokens, pad_token_id=0, **sampling)
+        assert out.shape[1] == width + max_new_tokens, "generate stopped early"
+
+    return generate
+
+
+# -- vLLM -----------------------------------------------------------------------------------
+
+def run_vllm(args, spec, workload) -> dict:
+    """vllm.LLM with the same sampling parameters. Its CPU build sizes the KV cache from
+    VLLM_CPU_KVCACHE_SPACE (whole GiB): --kv-cache-gib unless that is set."""
+    try:
+        import vllm
+    except ImportError as e:
+        return {"status": "not installed", "error": f"import vllm: {e}"}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_gib))))
+    llm = vllm.LLM(model=spec.path, load_format=spec.load_format, dtype=spec.dtype,
+                   max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                   tensor_parallel_size=args.tp, seed=args.seed)
+    try:
+        generate = _vllm_generate(vllm, llm, args.temperature)
+        warmup = warmup_prompts(workload)
+        generate(warmup, [WARMUP_TOKENS] * len(warmup))
+        start = perf_counter()
+        output_tokens = generate(workload.prompts, workload.output_lens)
+        elapsed = perf_counter() - start
+    finally:
+        # Its engine-core and worker processes otherwise keep the interpreter alive.
+        llm.llm_engine.engine_core.shutdown()
+    return {"status": "ok", "time_s": elapsed, "output_tokens": output_tokens,
+            "peak_gpu_mib": None, "vllm_version": vllm.__version__}
+
+
+def _vllm_generate(vllm, llm, temperature: float):
+    def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
+        params = [vllm.SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                                      detokenize=False) for n in output_lens]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    return generate
+
+
+RUNNERS = {"nanovllm": run_nanovllm, "hf": run_hf, "vllm": run_vllm}

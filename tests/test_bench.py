@@ -1,0 +1,137 @@
+"""bench.py: its arguments, its seeded workload, its decode figures, and tiny end-to-end
+runs on the CPU (alone, and side by side with transformers)."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import bench  # noqa: E402
+import bench_engines  # noqa: E402
+
+TINY = ["--preset", "cpu-small", "--num-seqs", "4", "--min-input-len", "8",
+        "--max-input-len", "40", "--min-output-len", "4", "--max-output-len", "12",
+        "--kv-cache-gib", "0.05", "--threads", "1"]
+LINE = re.compile(r"^Total: (\d+)tok, Time: (\d+\.\d\d)s, Throughput: (\d+\.\d\d)tok/s$", re.M)
+
+
+def run_bench(*argv: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "bench.py", *argv], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+# -- arguments and workload ------------------------------------------------------------
+
+def test_default_arguments_are_nano_vllms_workload():
+    args = bench.parse_args([])
+    assert (args.num_seqs, args.min_input_len, args.max_input_len) == (256, 100, 1024)
+    assert (args.min_output_len, args.max_output_len) == (100, 1024)
+    assert (args.temperature, args.seed, args.max_model_len) == (0.6, 0, 4096)
+    assert args.backend == "nanovllm" and args.peers == []
+
+
+def test_preset_sets_the_workload_and_a_flag_overrides_it():
+    args = bench.parse_args(["--preset", "cpu-small", "--num-seqs", "7"])
+    assert args.num_seqs == 7
+    assert args.max_input_len == bench.PRESETS["cpu-small"].workload["max_input_len"]
+
+
+def test_compare_lists_the_peers():
+    assert bench.parse_args(["--compare", "hf, vllm"]).peers == ["hf", "vllm"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-input-len", "50", "--max-input-len", "10"], "--min-input-len (50) is larger"),
+    (["--num-seqs", "0"], "--num-seqs must be >= 1"),
+    (["--max-input-len", "3000", "--max-output-len", "2000"], "exceeds --max-model-len"),
+    (["--compare", "hf,trt"], "got trt"),
+    (["--preset", "gpt-9"], "invalid choice"),
+])
+def test_bad_arguments_exit_with_a_message_naming_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_same_seed_gives_the_same_workload_and_lengths_stay_in_range():
+    args = bench.parse_args(["--num-seqs", "50", "--min-input-len", "3", "--max-input-len", "9",
+                             "--min-output-len", "5", "--max-output-len", "6"])
+    first, again = bench.make_workload(args, 4096), bench.make_workload(args, 4096)
+    assert first == again
+    assert all(3 <= len(p) <= 9 for p in first.prompts)
+    assert all(5 <= n <= 6 for n in first.output_lens)
+    assert {len(p) for p in first.prompts} == set(range(3, 10))  # the whole range is drawn
+    assert all(0 <= t < 4096 for p in first.prompts for t in p)
+    args.seed = 1
+    assert bench.make_workload(args, 4096) != first
+
+
+def test_token_ids_stay_inside_a_small_vocabulary():
+    workload = bench.make_workload(bench.parse_args(["--num-seqs", "8"]), vocab_size=100)
+    assert max(t for p in workload.prompts for t in p) == 99
+
+
+# -- decode figures ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", sorted(bench.PRESETS))
+def test_weight_bytes_per_step_counts_every_parameter_once(preset):
+    from transformers import Qwen3Config
+
+    from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+    config = bench.PRESETS[preset].config
+    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(hf_config)
+    num_params = sum(p.numel() for p in model.parameters())  # a tied matrix counts once
+    assert config["tie_word_embeddings"]  # so the embedding is the LM head, read every step
+    assert bench_engines.weight_bytes_per_step(config, itemsize=2) == 2 * num_params
+
+
+def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
+    config = bench.PRESETS["cpu-small"].config
+    workload = bench.Workload(prompts=[[1, 2, 3]], output_lens=[3])
+    # tokens 2 and 3 come from decode steps over 4 and 5 tokens (the first from prefill)
+    result = {"num_decode_steps": 2, "decode_time_s": 0.5}
+    figures = bench_engines.decode_figures(result, config, "float32", workload)
+    read = (2 * bench_engines.weight_bytes_per_step(config, 4)
+            + (4 + 5) * bench_engines.kv_bytes_per_token(config, 4))
+    assert figures["decode_bandwidth_gb_s"] == pytest.approx(read / 0.5 / 1e9)
+    assert figures["mean_decode_step_ms"] == pytest.approx(250.0)
+
+
+# -- end to end (CPU) ----------------------------------------------------------------------
+
+def test_tiny_run_prints_nano_vllms_line_with_every_requested_token(tmp_path):
+    out = run_bench(*TINY, "--device", "cpu", "--json", str(tmp_path / "result.json")).stdout
+    match = LINE.search(out)
+    assert match, out
+    requested = bench.make_workload(bench.parse_args(TINY), 4096).num_output_tokens
+    assert int(match.group(1)) == requested
+    result = json.loads((tmp_path / "result.json").read_text())["results"][0]
+    assert result["output_tokens"] == result["requested_output_tokens"] == requested
+    assert result["prefill_time_s"] > 0 and result["decode_time_s"] > 0
+    assert result["num_decode_steps"] >= max(bench.make_workload(
+        bench.parse_args(TINY), 4096).output_lens) - 1
+
+
+def test_compare_prints_a_row_per_engine(tmp_path):
+    # This venv has no vllm: its row must say so rather than fail the run.
+    out = run_bench(*TINY, "--device", "cpu", "--compare", "hf,vllm",
+                    "--vllm-python", sys.executable, "--json", str(tmp_path / "r.json")).stdout
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert re.match(r"nanovllm\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+1\.00x$", rows["nanovllm"])
+    assert re.match(r"hf\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+[\d.]+x$", rows["hf"])
+    assert "not installed" in rows["vllm"]
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    requested = bench.make_workload(bench.parse_args(TINY), 4096).num_output_tokens
+    assert [r["output_tokens"] for r in results[:2]] == [requested, requested]
