@@ -28,20 +28,10 @@ from pathlib import Path
 
 import bench_compare
 import bench_engines
+from nanovllm.demo_model import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
 BACKENDS = ("nanovllm", "hf", "vllm")
-# Qwen/Qwen3-0.6B's config.json.
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
-    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}
 # nano-vLLM's workload; a preset may override it, a flag overrides both.
 DEFAULT_WORKLOAD = {"num_seqs": 256, "min_input_len": 100, "max_input_len": 1024,
                     "min_output_len": 100, "max_output_len": 1024}
@@ -54,11 +44,11 @@ class Preset:
 
 
 PRESETS = {
-    "qwen3-0.6b": Preset(QWEN3_0_6B, {}),
+    "qwen3-0.6b": Preset(QWEN3_0_6B_CONFIG, {}),
     # Qwen3's architecture shrunk to ~5M parameters (float32): per-step overhead and
     # batching dominate, the home ground of continuous batching.
     "cpu-small": Preset(
-        dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        dict(QWEN3_0_6B_CONFIG, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096,
              max_position_embeddings=4096, torch_dtype="float32", bos_token_id=0,
              eos_token_id=1),
@@ -201,9 +191,7 @@ def model_spec(args: argparse.Namespace):
         return
     config = PRESETS[args.preset].config
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.preset}-") as path:
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        write_placeholder_tokenizer(path, config["vocab_size"])
+        write_weightless_checkpoint(path, config)
         yield ModelSpec(path, "dummy", config, resolve_dtype(args.dtype, config))
 
 
@@ -213,18 +201,6 @@ def resolve_dtype(dtype: str, hf_config: dict) -> str:
     if dtype != "auto":
         return dtype
     return str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
-
-
-def write_placeholder_tokenizer(path: str, vocab_size: int) -> None:
-    """A tokenizer with one word per id ("<17>"), so engines that load one can start
-    and decode ids; the benchmark itself feeds token ids and never tokenizes text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"<{i}>": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
 
 
 # -- one engine ---------------------------------------------------------------------------

@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from dummy_qwen3 import write_dummy_checkpoint
 from nanovllm import LLM, SamplingParams
+from nanovllm.demo_model import write_weightless_checkpoint
 
 BUSY_MS = 20.0  # GPU work queued ahead of a "busy" step
 
@@ -99,7 +99,7 @@ def main() -> None:
     cycles_per_ms = sleep_cycles_per_ms()
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_dummy_checkpoint(os.path.join(tmp, "qwen3-0.6b"))
+        path = write_weightless_checkpoint(os.path.join(tmp, "qwen3-0.6b"))
         with LLM(path, load_format="dummy", dtype="bfloat16", enforce_eager=args.enforce_eager,
                  max_model_len=args.context + 4 * args.steps + 64) as llm:
             mode = "eager" if args.enforce_eager else "graphs"

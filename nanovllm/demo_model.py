@@ -1,9 +1,11 @@
-"""Tiny random Qwen3 checkpoints, built offline: for `example.py` when no real model is
-present, and for the tests (which compare them with Hugging Face `transformers`).
+"""Checkpoints built offline, so nothing is downloaded:
 
-A checkpoint is a directory like a real one: config.json, model.safetensors,
-generation_config.json and a byte-level BPE tokenizer trained in about a second on the
-Python standard library's own sources. Its weights are random, so its text is noise.
+- tiny random Qwen3 checkpoints, for `example.py` when no real model is present and for
+  the tests (which compare them with Hugging Face `transformers`): config.json,
+  model.safetensors, generation_config.json and a byte-level BPE tokenizer trained in
+  about a second on the Python standard library's own sources. Their text is noise.
+- weightless checkpoints (config.json + a placeholder tokenizer) of a real shape such as
+  Qwen3-0.6B, for benchmarks that run `load_format="dummy"` (random weights).
 """
 import json
 import os
@@ -18,6 +20,18 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CORPUS_FILES = ("argparse.py", "textwrap.py", "random.py", "string.py", "os.py", "dataclasses.py")
+
+# Qwen/Qwen3-0.6B's config.json.
+QWEN3_0_6B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
 
 
 def build_tokenizer(path: str | Path, vocab_size: int = 512) -> int:
@@ -38,6 +52,23 @@ def build_tokenizer(path: str | Path, vocab_size: int = 512) -> int:
                                       pad_token="<|endoftext|>", chat_template=_CHAT_TEMPLATE)
     wrapped.save_pretrained(str(path))
     return tokenizer.get_vocab_size()
+
+
+def write_weightless_checkpoint(path: str | Path, config: dict = QWEN3_0_6B_CONFIG) -> Path:
+    """config.json and a placeholder tokenizer (one word per id, "<17>") in `path`: enough
+    for `LLM(path, load_format="dummy")` and for peers that load a tokenizer; feed it
+    token ids, not text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    vocab = {f"<{i}>": i for i in range(config["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(path))
+    return path
 
 
 def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2,

@@ -272,16 +272,15 @@ def throughput(enforce_eager: bool, json_path: str) -> None:
     """nano-vLLM's bench.py workload through LLM.generate, its figures to `json_path`."""
     from random import randint, seed
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from dummy_qwen3 import write_dummy_checkpoint
     from nanovllm import LLM, SamplingParams
+    from nanovllm.demo_model import write_weightless_checkpoint
 
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024))
               for _ in range(256)]
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_dummy_checkpoint(os.path.join(tmp, "qwen3-0.6b"))
+        path = write_weightless_checkpoint(os.path.join(tmp, "qwen3-0.6b"))
         with LLM(path, load_format="dummy", dtype="bfloat16", enforce_eager=enforce_eager,
                  max_model_len=4096) as llm:
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm up

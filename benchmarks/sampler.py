@@ -1,6 +1,6 @@
 """Cost of the sampler per decode step: every filter and penalty vs temperature alone.
 
-    python scripts/bench_sampler.py [--batch 256] [--vocab 151936] [--device cpu] [--threads N]
+    python benchmarks/sampler.py [--batch 256] [--vocab 151936] [--device cpu] [--threads N]
 
 Each configuration runs decode-like steps on random logits: one token appended to every
 sequence per step, the metadata built from the sequences as the model runner does
