@@ -12,8 +12,8 @@ weights (`load_format="dummy"`), so nothing is downloaded.
 
 `--compare` runs nanovllm and each listed peer in its own process group (killed
 afterwards, helpers included), the same workload through each, and prints a table.
-The engines' runners are in bench_engines.py, the process groups and the table in
-bench_compare.py.
+The engines' runners are in benchmarks/engines.py, the process groups and the table in
+benchmarks/compare.py.
 """
 import argparse
 import json
@@ -26,9 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import bench_compare
-import bench_engines
-from nanovllm.demo_model import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
+from benchmarks import compare, engines
+from nanovllm.models.demo import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
 BACKENDS = ("nanovllm", "hf", "vllm")
@@ -213,11 +212,11 @@ def run_backend(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     with model_spec(args) as spec:
         workload = make_workload(args, spec.hf_config["vocab_size"])
-        run = bench_engines.RUNNERS[args.backend]
+        run = engines.RUNNERS[args.backend]
         result = run(args, spec, workload)
     if result["status"] == "ok":
         result.update(throughput(result["time_s"], workload))
-        result.setdefault("peak_rss_mib", bench_engines.self_peak_rss_mib())
+        result.setdefault("peak_rss_mib", engines.self_peak_rss_mib())
     result.update(engine=args.backend, requested_output_tokens=workload.num_output_tokens)
     return result
 
@@ -262,7 +261,7 @@ def run_peer(args: argparse.Namespace, backend: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         json_path = os.path.join(tmp, "result.json")
         cmd = [python, os.path.abspath(__file__), *child_argv(args, backend, json_path)]
-        run = bench_compare.run_in_process_group(cmd, args.timeout, uses_cuda(args.device))
+        run = compare.run_in_process_group(cmd, args.timeout, uses_cuda(args.device))
         if run.status != "ok" or not os.path.isfile(json_path):
             status = run.status if run.status != "ok" else "failed (no result)"
             return {"engine": backend, "status": status, "error": run.stderr[-2000:]}
@@ -288,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in results:
             if r["status"] != "ok" and r.get("error"):
                 print(f"{r['engine']}: {r['error']}", file=sys.stderr)
-        bench_compare.print_table(results)
+        compare.print_table(results)
         print_result(results[0])
     else:
         results = [run_backend(args)]

@@ -19,7 +19,7 @@ def pick_model() -> str:
         return sys.argv[1]
     if os.path.isdir(DEFAULT_MODEL):
         return DEFAULT_MODEL
-    from nanovllm.demo_model import demo_checkpoint
+    from nanovllm.models.demo import demo_checkpoint
 
     path = str(demo_checkpoint())
     print(f"No model at {DEFAULT_MODEL}: running a tiny RANDOM demo checkpoint ({path}).\n"

@@ -13,10 +13,10 @@ import time
 import torch
 
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.compilation import HotOp
+from nanovllm.compilation import HotOp
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
-from nanovllm.layers.sampler import softmax_race
+from nanovllm.sampling.sampler import softmax_race
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 3072, 16, 8, 128, 151936
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.demo_model import build_tiny_qwen3, demo_checkpoint
+from nanovllm.models.demo import build_tiny_qwen3, demo_checkpoint
 
 
 def timed(fn, totals: list[float]):

@@ -14,8 +14,8 @@ import time
 import torch
 
 from nanovllm.core import Sequence
-from nanovllm.layers.sampler import Sampler
-from nanovllm.runner.sampling_metadata import TokenCounts, build_sampling_metadata
+from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling_params import SamplingParams
 
 CONFIGS = {
@@ -43,7 +43,7 @@ class Workload:
         self.seqs = []
         for _ in range(args.batch):
             prompt = torch.randint(0, args.vocab, (args.prompt_len,), generator=g).tolist()
-            seq = Sequence(prompt, params, block_size=256)
+            seq = Sequence(prompt, params, block_size=256, eos_token_ids=[0])
             for token in torch.randint(0, args.vocab, (args.output_len,), generator=g).tolist():
                 seq.append_token(token)
             self.seqs.append(seq)
@@ -55,8 +55,7 @@ class Workload:
 
     def step(self) -> None:
         start = time.perf_counter()
-        metadata = build_sampling_metadata(self.seqs, self.vocab, {0}, lambda: self.counts,
-                                           lambda t: t.to(self.device))
+        metadata = build_sampling_metadata(self.seqs, self.vocab, self.counts, self.device)
         mid = time.perf_counter()
         tokens = self.sampler(self.logits.clone(), metadata).tolist()  # waits for the device
         self.times.append((mid - start, time.perf_counter() - mid))

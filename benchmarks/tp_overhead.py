@@ -2,7 +2,7 @@
 
     python benchmarks/tp_overhead.py [--prompts 16 --prompt-len 64 --new-tokens 64 --repeats 3]
 
-Runs the same greedy batch on the demo checkpoint (nanovllm/demo_model.py) at TP=1
+Runs the same greedy batch on the demo checkpoint (nanovllm/models/demo.py) at TP=1
 and TP=2 and prints tokens/s (prompt + completion tokens over generate()'s wall time,
 best of --repeats after a warm-up) and the ratio TP=2 / TP=1. On a small or shared
 machine run it with OMP_NUM_THREADS=1: OpenMP threads of several processes spinning on
@@ -13,7 +13,7 @@ import random
 from time import perf_counter
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.demo_model import demo_checkpoint
+from nanovllm.models.demo import demo_checkpoint
 
 
 def tokens_per_second(path: str, tp: int, prompts: list[list[int]], new_tokens: int,

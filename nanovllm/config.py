@@ -1,12 +1,12 @@
-"""Engine configuration: one dataclass, validated in __post_init__ with ValueError.
-
-Values discovered at run time (the number of KV-cache blocks, the EOS ids) are
-returned by the parts that find them; they are never written back here.
-"""
+"""Engine configuration: one dataclass, checked in __post_init__ (TypeError for a wrong
+type, ValueError for a wrong value). Values found at run time (the number of KV-cache
+blocks) are returned by the parts that find them, never written back here."""
 import os
 from dataclasses import dataclass, field, fields
 
 from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.utils import check_bool, check_choice, check_int, check_number
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -42,24 +42,22 @@ class Config:
                              f"{self.model!r} is not (no model is downloaded)")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                      "kvcache_block_size"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
-        _check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1)
-        if self.num_kvcache_blocks == 0:
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
+        if check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1) == 0:
             raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
-        _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
-        if not _is_number(self.cpu_kvcache_space_gib) or self.cpu_kvcache_space_gib <= 0:
-            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib!r}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, "in (0, 1]",
+                     low_open=True)
+        check_number("cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, 0, float("inf"),
+                     "> 0", low_open=True, high_open=True)
+        check_bool("enforce_eager", self.enforce_eager)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("load_format", LOAD_FORMATS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+            check_choice(name, getattr(self, name), allowed)
         self.hf_config = AutoConfig.from_pretrained(self.model)
-        _check_tensor_parallel_divides(self.hf_config, self.tensor_parallel_size)
+        check_tensor_parallel_divides(self.hf_config, self.tensor_parallel_size)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
     @classmethod
@@ -96,8 +94,9 @@ def rope_parameters(hf_config: PretrainedConfig) -> dict:
 _SHARDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 
 
-def _check_tensor_parallel_divides(hf_config: PretrainedConfig, tp_size: int) -> None:
-    """Before any process is spawned: every sharded dimension must split evenly."""
+def check_tensor_parallel_divides(hf_config: PretrainedConfig, tp_size: int) -> None:
+    """The one divisibility check, before any process is spawned or layer is built:
+    every sharded dimension must split evenly."""
     dims = {name: getattr(hf_config, name, None) for name in _SHARDED_DIMS}
     dims = {name: value for name, value in dims.items() if isinstance(value, int)}
     for name, value in dims.items():
@@ -106,20 +105,3 @@ def _check_tensor_parallel_divides(hf_config: PretrainedConfig, tp_size: int) ->
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's "
                              f"{name} ({value}); this model can use tensor_parallel_size "
                              f"{', '.join(map(str, fitting))}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-
-
-def _check_fraction(name: str, value: object) -> None:
-    if not _is_number(value) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")

@@ -56,17 +56,16 @@ class StopStringChecker:
 
     def check(self, seq: Sequence) -> str | None:
         """Decode `seq`'s new completion tokens; if they complete one of its stop
-        strings, return the completion text before it, else None. Stop strings match
-        only after min_tokens tokens, like stop token ids."""
+        strings, return the completion text before it, else None. (Whether a match
+        counts, e.g. before min_tokens, is the scheduler's call.)"""
         detokenizer = self.detokenizers.get(seq.seq_id)
         if detokenizer is None:
             detokenizer = self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
         start = seq.num_prompt_tokens + len(detokenizer.token_ids)
         num_new_chars = detokenizer.append(seq.token_ids[start:])
-        params = seq.sampling_params
-        if num_new_chars == 0 or seq.num_completion_tokens <= params.min_tokens:
+        if num_new_chars == 0:
             return None
-        stop_at = find_stop_string(detokenizer.text, num_new_chars, params.stop)
+        stop_at = find_stop_string(detokenizer.text, num_new_chars, seq.sampling_params.stop)
         return None if stop_at is None else detokenizer.text[:stop_at]
 
     def discard(self, seq_id: int) -> None:

@@ -6,6 +6,8 @@ meanings are vLLM's; the README's table documents each field.
 import math
 from dataclasses import dataclass
 
+from nanovllm.utils import check_bool, check_int, check_number
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them
 # would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -13,41 +15,22 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclass(slots=True)
 class SamplingParams:
-    """vLLM's sampling options. Penalties apply to greedy requests too; top_k, top_p,
-    min_p and seed only to sampled ones.
+    """vLLM's sampling options (README's table has each in full). Penalties apply to
+    greedy requests too; top_k, top_p, min_p and seed only to sampled ones."""
 
-    temperature:        0 (or below 1e-5) means greedy (argmax); otherwise logits / T.
-    top_k:              keep the k most likely tokens; 0 or -1 means off.
-    top_p:              keep the smallest set of most likely tokens whose probability
-                        reaches top_p, the token that crosses it included; 1 means off.
-    min_p:              drop tokens less likely than min_p * the top token's probability.
-    seed:               per-request random seed: the same seed gives the same tokens
-                        whatever else is in the batch.
-    max_tokens:         the most completion tokens to generate.
-    min_tokens:         EOS and stop_token_ids cannot be sampled, and stop strings do not
-                        match, until this many completion tokens exist.
-    ignore_eos:         keep generating past the end-of-sequence token.
-    stop_token_ids:     token ids that end the sequence (kept in token_ids, not in text).
-    stop:               strings that end the sequence; the text ends before them.
-    repetition_penalty: > 1 discourages tokens already in the prompt or completion
-                        (positive logits divided by it, negative ones multiplied).
-    presence_penalty:   subtracted from the logit of every token already in the completion.
-    frequency_penalty:  subtracted once per occurrence of a token in the completion.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 64
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    stop: str | list[str] | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = 1.0           # 0 (or below 1e-5): greedy; else logits / T
+    top_k: int = 0                     # keep the k most likely tokens; 0 or -1: off
+    top_p: float = 1.0                 # keep the most likely tokens until p is reached
+    min_p: float = 0.0                 # drop tokens below min_p x the top probability
+    seed: int | None = None            # per request: the same tokens whatever the batch
+    max_tokens: int = 64               # the most completion tokens
+    min_tokens: int = 0                # no stop token or stop string before this many
+    ignore_eos: bool = False           # keep going past EOS
+    stop_token_ids: list[int] | None = None  # end the sequence (kept in token_ids)
+    stop: str | list[str] | None = None      # end the sequence; the text ends before
+    repetition_penalty: float = 1.0    # prompt and completion tokens: logit / or x it
+    presence_penalty: float = 0.0      # minus this for each token in the completion
+    frequency_penalty: float = 0.0     # minus this per occurrence in the completion
 
     def __post_init__(self) -> None:
         self._check_filters()
@@ -56,32 +39,29 @@ class SamplingParams:
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
         self.stop = _stop_string_list(self.stop)
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            check_int("seed", self.seed)
 
     def _check_filters(self) -> None:
-        _check_range("temperature", self.temperature, 0, math.inf, "a number >= 0 (0 means greedy)")
-        _check_int("top_k", self.top_k)
+        check_number("temperature", self.temperature, 0, math.inf, "a number >= 0 (0 means greedy)")
+        check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= 1, or 0 or -1 to turn it off; got {self.top_k}")
-        _check_range("top_p", self.top_p, 0, 1, "in (0, 1] (1 turns it off)", low_open=True)
-        _check_range("min_p", self.min_p, 0, 1, "in [0, 1) (0 turns it off)", high_open=True)
+        check_number("top_p", self.top_p, 0, 1, "in (0, 1] (1 turns it off)", low_open=True)
+        check_number("min_p", self.min_p, 0, 1, "in [0, 1) (0 turns it off)", high_open=True)
 
     def _check_lengths(self) -> None:
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check_int("min_tokens", self.min_tokens)
+        check_int("max_tokens", self.max_tokens, minimum=1)
+        check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        check_bool("ignore_eos", self.ignore_eos)
 
     def _check_penalties(self) -> None:
-        _check_range("repetition_penalty", self.repetition_penalty, 0, math.inf,
+        check_number("repetition_penalty", self.repetition_penalty, 0, math.inf,
                      "a number > 0 (1 turns it off)", low_open=True)
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_range(name, getattr(self, name), -2, 2, "in [-2, 2] (0 turns it off)")
+            check_number(name, getattr(self, name), -2, 2, "in [-2, 2] (0 turns it off)")
 
     @property
     def is_greedy(self) -> bool:
@@ -93,22 +73,6 @@ class SamplingParams:
                 or self.frequency_penalty != 0)
 
 
-def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-
-
-def _check_range(name: str, value: object, low: float, high: float, expected: str,
-                 low_open: bool = False, high_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    # NaN fails every comparison, so it is caught by `not math.isfinite` (as is inf).
-    if too_low or too_high or not math.isfinite(value):
-        raise ValueError(f"{name} must be {expected}, got {value}")
-
-
 def _token_id_list(name: str, value: object) -> list[int]:
     if value is None:
         return []
@@ -116,7 +80,7 @@ def _token_id_list(name: str, value: object) -> list[int]:
         raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__}")
     ids = list(value)
     for token_id in ids:
-        _check_int(name, token_id)
+        check_int(name, token_id)
         if token_id < 0:
             raise ValueError(f"{name} must hold token ids >= 0, got {token_id}")
     return ids

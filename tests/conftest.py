@@ -18,7 +18,7 @@ MODEL_SHAPES = {
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """name -> checkpoint directory, including "gqa_v4": the gqa model with a
     transformers-4 style config.json (rope_theta, torch_dtype)."""
-    from nanovllm.demo_model import build_tiny_qwen3
+    from nanovllm.models.demo import build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {name: build_tiny_qwen3(root / name, **kw) for name, kw in MODEL_SHAPES.items()}

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import bench  # noqa: E402
-import bench_engines  # noqa: E402
+from benchmarks import engines  # noqa: E402
 
 TINY = ["--preset", "cpu-small", "--num-seqs", "4", "--min-input-len", "8",
         "--max-input-len", "40", "--min-output-len", "4", "--max-output-len", "12",
@@ -94,7 +94,7 @@ def test_weight_bytes_per_step_counts_every_parameter_once(preset):
         model = Qwen3ForCausalLM(hf_config)
     num_params = sum(p.numel() for p in model.parameters())  # a tied matrix counts once
     assert config["tie_word_embeddings"]  # so the embedding is the LM head, read every step
-    assert bench_engines.weight_bytes_per_step(config, itemsize=2) == 2 * num_params
+    assert engines.weight_bytes_per_step(config, itemsize=2) == 2 * num_params
 
 
 def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
@@ -102,9 +102,9 @@ def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
     workload = bench.Workload(prompts=[[1, 2, 3]], output_lens=[3])
     # tokens 2 and 3 come from decode steps over 4 and 5 tokens (the first from prefill)
     result = {"num_decode_steps": 2, "decode_time_s": 0.5}
-    figures = bench_engines.decode_figures(result, config, "float32", workload)
-    read = (2 * bench_engines.weight_bytes_per_step(config, 4)
-            + (4 + 5) * bench_engines.kv_bytes_per_token(config, 4))
+    figures = engines.decode_figures(result, config, "float32", workload)
+    read = (2 * engines.weight_bytes_per_step(config, 4)
+            + (4 + 5) * engines.kv_bytes_per_token(config, 4))
     assert figures["decode_bandwidth_gb_s"] == pytest.approx(read / 0.5 / 1e9)
     assert figures["mean_decode_step_ms"] == pytest.approx(250.0)
 

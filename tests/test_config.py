@@ -49,11 +49,19 @@ def test_missing_model_directory_is_a_value_error(tmp_path):
     ("kvcache_block_size", 0), ("num_kvcache_blocks", 0), ("num_kvcache_blocks", -2),
     ("tensor_parallel_size", 0), ("tensor_parallel_size", 9), ("gpu_memory_utilization", 0),
     ("gpu_memory_utilization", 1.5), ("device", "tpu"), ("dtype", "int8"),
-    ("attention_backend", "xformers"), ("load_format", "pt"), ("max_num_seqs", 2.5),
-    ("enforce_eager", "yes"), ("cpu_kvcache_space_gib", 0),
+    ("attention_backend", "xformers"), ("load_format", "pt"), ("cpu_kvcache_space_gib", 0),
 ])
 def test_bad_values_name_their_field(config_dir, field, value):
     with pytest.raises(ValueError, match=field):
+        Config(config_dir, **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_num_seqs", 2.5), ("enforce_eager", "yes"), ("enable_prefix_caching", 1),
+    ("gpu_memory_utilization", "0.5"), ("device", None), ("tensor_parallel_size", True),
+])
+def test_wrong_types_are_type_errors_naming_their_field(config_dir, field, value):
+    with pytest.raises(TypeError, match=field):
         Config(config_dir, **{field: value})
 
 

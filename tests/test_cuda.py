@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.demo_model import build_tiny_qwen3
+from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
-from nanovllm.layers.sampler import softmax_race
+from nanovllm.sampling.sampler import softmax_race
 from nanovllm.runner.cuda_graph import capture_batch_sizes
 
 from conftest import hf_greedy

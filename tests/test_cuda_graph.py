@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.context import AttentionMetadata, attention_context
+from nanovllm.attention.metadata import AttentionMetadata, attention_context
 from nanovllm.runner.cuda_graph import (CUDAGraphRunner, DecodeBuffers, block_table_width,
                                         capture_batch_sizes, use_cuda_graphs)
 

@@ -15,11 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")  # linux only, as pyproject.toml installs it
-
-from nanovllm.kernels import interpreted  # noqa: E402
-from nanovllm.layers import attention  # noqa: E402
-from nanovllm.layers.attention import select_backend  # noqa: E402
+from nanovllm.attention import backend as attention
+from nanovllm.attention import select_backend
+from nanovllm.kernels import interpreted
 
 KERNEL_TESTS = Path(__file__).parent / "kernels"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU is touched
@@ -51,7 +49,7 @@ def test_kernel_launcher_refuses_cpu_tensors_without_the_interpreter():
     from nanovllm.kernels import store_kvcache
 
     k = torch.zeros(1, 2, 8)
-    with pytest.raises(ValueError, match="k is on cpu.*TRITON_INTERPRET=1"):
+    with pytest.raises(AssertionError, match="k is on cpu.*TRITON_INTERPRET=1"):
         store_kvcache(k, k, torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1).long())
 
 
@@ -99,6 +97,6 @@ def test_decode_splits_depend_on_shapes_only(monkeypatch):
     assert splits(1, 8, 4096, CUDA) == paged_attention.MAX_SPLITS  # few programs, long context
     assert splits(1, 8, 512, CUDA) == 2                             # >= 256 keys per split
     assert splits(512, 8, 4096, CUDA) == 1                          # the batch fills the GPU
-    assert splits(4, 8, 4096, CUDA) == 9                            # ceil(264 / 32)
+    assert splits(4, 8, 4096, CUDA) == 8                            # ceil(264 / 32) = 9, down to 2**3
     monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 0)
     assert splits(1, 1, 4096, CPU) == 1                             # interpreter: never split

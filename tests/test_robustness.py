@@ -102,7 +102,7 @@ def test_abort_request_frees_its_blocks_and_the_others_finish(llm, checkpoints):
     llm.scheduler.check_integrity()
     finished = {}
     while not llm.is_finished():
-        finished.update(dict(llm.step().finished))
+        finished.update({o.seq_id: o.token_ids for o in llm.step().finished})
     assert finished == {keep: hf_greedy(str(checkpoints["gqa"]), tuple(GOOD[0]), 8)}
     assert llm.scheduler.block_manager.num_free_blocks == 4
 
@@ -186,6 +186,6 @@ def test_aborting_a_request_with_stop_strings_forgets_its_text_state(llm):
     seq_id = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, stop=["zz"]))
     llm.step()
     llm.step()
-    assert seq_id in llm.stop_strings.detokenizers
+    assert seq_id in llm.scheduler.stop_strings.detokenizers
     assert llm.abort_request(seq_id)
-    assert seq_id not in llm.stop_strings.detokenizers and llm.is_finished()
+    assert seq_id not in llm.scheduler.stop_strings.detokenizers and llm.is_finished()

@@ -17,9 +17,9 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TopPLogitsWarper)
 
 from nanovllm.core import Sequence
-from nanovllm.layers.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
+from nanovllm.sampling.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
                                      apply_top_k_top_p)
-from nanovllm.runner.sampling_metadata import TokenCounts, build_sampling_metadata, seed_key
+from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata, seed_key
 from nanovllm.sampling_params import SamplingParams
 
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
@@ -33,20 +33,20 @@ TOKEN_PROBS = [PROBS[ORDER.index(t)] for t in range(len(PROBS))]
 LOGITS = [math.log(p) for p in TOKEN_PROBS]
 
 
-def make_seq(params: SamplingParams, prompt=(1, 2, 3), completion=()) -> Sequence:
-    seq = Sequence(list(prompt), params, block_size=16)
+def make_seq(params: SamplingParams, prompt=(1, 2, 3), completion=(), eos=()) -> Sequence:
+    seq = Sequence(list(prompt), params, block_size=16, eos_token_ids=eos)
     for token in completion:
         seq.append_token(token)
     return seq
 
 
-def metadata(seqs, vocab: int, eos=(), counts: TokenCounts | None = None) -> SamplingMetadata:
+def metadata(seqs, vocab: int, counts: TokenCounts | None = None) -> SamplingMetadata:
     counts = counts or TokenCounts(vocab, torch.device("cpu"))
-    return build_sampling_metadata(seqs, vocab, eos, lambda: counts, lambda t: t)
+    return build_sampling_metadata(seqs, vocab, counts, torch.device("cpu"))
 
 
-def sample(logits: torch.Tensor, seqs, eos=()) -> list[int]:
-    return Sampler()(logits.clone(), metadata(seqs, logits.shape[1], eos)).tolist()
+def sample(logits: torch.Tensor, seqs) -> list[int]:
+    return Sampler()(logits.clone(), metadata(seqs, logits.shape[1])).tolist()
 
 
 # -- plain-Python reference ----------------------------------------------------------
@@ -256,7 +256,7 @@ def test_seeded_and_greedy_rows_draw_the_same_tokens_on_cuda_as_on_the_cpu():
             for p in params]
     on_cpu = Sampler()(logits.clone(), metadata(seqs, vocab))
     counts = TokenCounts(vocab, torch.device("cuda"))
-    m = build_sampling_metadata(seqs, vocab, (), lambda: counts, lambda t: t.cuda())
+    m = build_sampling_metadata(seqs, vocab, counts, torch.device("cuda"))
     on_cuda = Sampler()(logits.cuda(), m).cpu()
     # The seeded noise is integer arithmetic, the same bits on both devices.
     assert on_cuda.tolist() == on_cpu.tolist()
@@ -322,11 +322,11 @@ def test_min_tokens_keeps_eos_and_stop_ids_from_being_drawn():
     logits = torch.zeros(1, vocab)
     logits[0, eos], logits[0, stop_id], logits[0, 7] = 9.0, 8.0, 7.0
     greedy = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[stop_id])
-    assert sample(logits, [make_seq(greedy, completion=[1])], eos=[eos]) == [7]
-    assert sample(logits, [make_seq(greedy, completion=[1, 1])], eos=[eos]) == [eos]
+    assert sample(logits, [make_seq(greedy, completion=[1], eos=[eos])]) == [7]
+    assert sample(logits, [make_seq(greedy, completion=[1, 1], eos=[eos])]) == [eos]
     ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[stop_id])
-    assert sample(logits, [make_seq(ignoring)], eos=[eos]) == [eos]
+    assert sample(logits, [make_seq(ignoring, eos=[eos])]) == [eos]
     torch.manual_seed(0)
     sampled = SamplingParams(temperature=5.0, min_tokens=1, stop_token_ids=[stop_id])
-    tokens = sample(logits.repeat(2000, 1), [make_seq(sampled)] * 2000, eos=[eos])
+    tokens = sample(logits.repeat(2000, 1), [make_seq(sampled, eos=[eos])] * 2000)
     assert eos not in tokens and stop_id not in tokens and len(set(tokens)) == vocab - 2

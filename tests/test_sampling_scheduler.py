@@ -9,13 +9,14 @@ BS = 4
 EOS = 0
 
 
-def make_scheduler(max_model_len=1024) -> Scheduler:
+def make_scheduler(max_model_len=1024, stop_strings=None) -> Scheduler:
     return Scheduler(BlockManager(32, BS, enable_prefix_caching=True), max_num_seqs=8,
-                     max_num_batched_tokens=64, max_model_len=max_model_len, eos_token_ids=[EOS])
+                     max_num_batched_tokens=64, max_model_len=max_model_len,
+                     stop_strings=stop_strings)
 
 
 def add(scheduler: Scheduler, prompt=(1, 2, 3), **params) -> Sequence:
-    seq = Sequence(list(prompt), SamplingParams(**params), BS)
+    seq = Sequence(list(prompt), SamplingParams(**params), BS, [EOS])
     scheduler.add(seq)
     return seq
 
@@ -59,16 +60,38 @@ def test_length_reasons_and_a_stop_token_outranks_the_length_cap():
     assert both.finish_reason is FinishReason.STOP and both.completion_token_ids[-1] == 1005
 
 
-def test_finish_ends_a_running_sequence_at_once():
-    sch, runner = make_scheduler(), FakeRunner()
-    a = add(sch, max_tokens=20, ignore_eos=True)
+class TokenStops:
+    """A stop-string checker by plain reasoning: "1006" stops at token 1006; the text
+    is the completion's ids before it, space-separated."""
+
+    def __init__(self):
+        self.discarded: list[int] = []
+
+    def check(self, seq: Sequence) -> str | None:
+        *before, newest = seq.completion_token_ids
+        return " ".join(map(str, before)) if str(newest) in seq.sampling_params.stop else None
+
+    def discard(self, seq_id: int) -> None:
+        self.discarded.append(seq_id)
+
+
+def test_a_stop_string_ends_a_running_sequence_that_step_and_frees_its_blocks():
+    sch, runner = make_scheduler(stop_strings=TokenStops()), FakeRunner()
+    a = add(sch, max_tokens=20, ignore_eos=True, stop=["1006"])  # tokens 1003, 1004, ...
     b = add(sch, prompt=(4, 5, 6, 7, 8), max_tokens=20, ignore_eos=True)
-    step(sch, runner)
-    step(sch, runner)
-    sch.finish(a, FinishReason.STOP)  # as the engine does for a stop string
-    assert a.is_finished and a.finish_reason is FinishReason.STOP and a.block_table == []
-    assert list(sch.running) == [b]
-    sch.check_integrity()
+    for _ in range(3):
+        assert step(sch, runner) == []
+    assert step(sch, runner) == [a]
+    assert a.finish_reason is FinishReason.STOP and a.stop_text == "1003 1004 1005"
+    assert a.block_table == [] and list(sch.running) == [b] and sch.stop_strings.discarded == [a.seq_id]
     run_until_done(sch, runner)
-    assert b.num_completion_tokens == 20 and a.num_completion_tokens == 2
-    assert sch.block_manager.num_free_blocks == sch.block_manager.num_blocks
+    assert b.num_completion_tokens == 20 and a.completion_token_ids[-1] == 1006
+
+
+def test_a_stop_string_outranks_the_length_cap_and_waits_for_min_tokens():
+    sch = make_scheduler(stop_strings=TokenStops())
+    on_the_last_token = add(sch, max_tokens=4, stop=["1006"])
+    too_early = add(sch, prompt=(7, 7, 7), max_tokens=4, min_tokens=2, stop=["1004"])
+    run_until_done(sch, FakeRunner())
+    assert on_the_last_token.finish_reason is FinishReason.STOP
+    assert too_early.finish_reason is FinishReason.LENGTH and too_early.num_completion_tokens == 4

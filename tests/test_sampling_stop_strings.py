@@ -2,7 +2,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from nanovllm.core import Sequence
+from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
 from nanovllm.detokenizer import IncrementalDetokenizer, StopStringChecker, find_stop_string
 from nanovllm.sampling_params import SamplingParams
 
@@ -51,9 +51,19 @@ def test_a_stop_string_across_tokens_is_found_when_its_last_token_arrives(tokeni
 
 
 def test_stop_strings_do_not_match_before_min_tokens(tokenizer):
+    """Through the scheduler, which decides what counts: the checker sees every token."""
     ids = tokenizer.encode("ab ab ab ab ab ab")
     where = [k for k in range(1, len(ids) + 1)
              if tokenizer.decode(ids[:k]).count("ab") > tokenizer.decode(ids[:k - 1]).count("ab")]
-    params = SamplingParams(stop=["ab"], min_tokens=where[1] - 1)  # the 2nd "ab" ends after it
-    n, text = decode_steps(StopStringChecker(tokenizer), Sequence([1], params, 16), ids)
-    assert n == where[1] and text == tokenizer.decode(ids[:n]).rsplit("ab", 1)[0]
+    params = SamplingParams(stop=["ab"], min_tokens=where[1] - 1, max_tokens=len(ids))
+    scheduler = Scheduler(BlockManager(8, 16), max_num_seqs=1, max_num_batched_tokens=64,
+                          max_model_len=64, stop_strings=StopStringChecker(tokenizer))
+    seq = Sequence([1], params, 16)
+    scheduler.add(seq)
+    while not seq.is_finished:  # the "model" emits ids in order, one per step
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch.seqs, [ids[seq.num_completion_tokens]])
+    n = seq.num_completion_tokens  # the 2nd "ab" ends after min_tokens
+    assert n == where[1] and seq.finish_reason is FinishReason.STOP
+    assert seq.stop_text == tokenizer.decode(ids[:n]).rsplit("ab", 1)[0]
+    assert seq.seq_id not in scheduler.stop_strings.detokenizers

@@ -15,11 +15,11 @@ def make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
                    max_model_len=1024, prefix_caching=True) -> Scheduler:
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len, eos_token_ids=[EOS])
+                     max_model_len=max_model_len)
 
 
 def add(scheduler: Scheduler, tokens: list[int], max_tokens=4, ignore_eos=False) -> Sequence:
-    s = Sequence(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), BS)
+    s = Sequence(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), BS, [EOS])
     scheduler.add(s)
     return s
 
@@ -150,14 +150,19 @@ def test_generation_stops_at_max_model_len():
     assert len(a) == 10
 
 
-def test_a_request_that_can_never_fit_is_refused_when_added():
+def test_a_request_that_can_never_fit_is_refused_before_it_is_queued():
     sch = make_scheduler(num_blocks=2)
-    with pytest.raises(ValueError, match="KV-cache blocks"):
-        add(sch, list(range(1, 10)), max_tokens=1)  # 9 tokens need 3 blocks
+    with pytest.raises(ValueError, match="KV-cache blocks"):  # 9 tokens need 3 blocks
+        sch.check_fits(Sequence(list(range(1, 10)), SamplingParams(max_tokens=1), BS))
     with pytest.raises(ValueError, match="max_model_len"):
-        make_scheduler(max_model_len=8).add(
+        make_scheduler(max_model_len=8).check_fits(
             Sequence(list(range(1, 10)), SamplingParams(), BS))
     assert sch.is_finished()
+
+
+def test_an_idle_scheduler_schedules_nothing():
+    sch = make_scheduler()
+    assert sch.schedule() == ([], False)
 
 
 def test_scripted_workload_keeps_integrity_and_frees_every_block():

@@ -67,7 +67,7 @@ def check_step(scheduler: Scheduler, batch_seqs: list[Sequence], num_tokens: int
 def test_random_workloads_keep_invariants_and_finish(w):
     bm = BlockManager(w["num_blocks"], w["block_size"], enable_prefix_caching=w["prefix_caching"])
     scheduler = Scheduler(bm, max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                          max_model_len=w["max_model_len"], eos_token_ids=[EOS])
+                          max_model_len=w["max_model_len"])
     runner = FakeRunner(eos=EOS)
     admitted: list[tuple[Sequence, dict]] = []
     aborted: set[int] = set()
@@ -76,15 +76,16 @@ def test_random_workloads_keep_invariants_and_finish(w):
         for r in (r for r in w["requests"] if r["arrival"] == step):
             prompt = (w["prefixes"][r["prefix"]] + r["own"]) or [1]
             seq = Sequence(prompt, SamplingParams(max_tokens=r["max_tokens"],
-                                                  ignore_eos=r["ignore_eos"]), w["block_size"])
+                                                  ignore_eos=r["ignore_eos"]), w["block_size"], [EOS])
             if r["eos_at"] is not None:
                 runner.eos_after[seq.seq_id] = r["eos_at"]
             try:
-                scheduler.add(seq)
+                scheduler.check_fits(seq)
             except ValueError:
                 assert never_fits(len(prompt), r, w)
                 continue
             assert not never_fits(len(prompt), r, w)
+            scheduler.add(seq)
             admitted.append((seq, r))
         for seq, r in admitted:
             if r["abort_at"] == step and not seq.is_finished:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.context import AttentionMetadata
-from nanovllm.layers.torch_attention import DECODE_GROUP_SIZE, TorchBackend
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import DECODE_GROUP_SIZE, TorchBackend
 
 from conftest import hf_greedy
 

@@ -1,28 +1,34 @@
 """Decides what runs each step: a prefill batch if any prompt work can run, else one
-decode token for every running sequence.
+decode token for every running sequence; and, after the step, which sequences end.
 
-Prefill under a token budget (`max_num_batched_tokens`), prompts taken first come,
-first served; a prompt longer than what is left of the budget is prefilled in chunks
-over several steps:
+Prefill runs under a token budget (`max_num_batched_tokens`), first come first served;
+a prompt longer than what is left of it is prefilled in chunks over several steps:
 
     step 1: [ chunk 1 (budget) ]
     step 2:                    [ chunk 2 ]
     step 3:                               [ last chunk ] -> first completion token
 
-Only the sequence admitted last in a step can be left part-way, so at most one
-sequence is mid-prefill between steps, and it is always the newest in `running`.
-
-Decode when no prompt work can run. A sequence whose next token needs a new block
-when none is free preempts the newest running sequence: its blocks are freed and it
-goes back to the front of the waiting queue, to be recomputed (with whatever the
-prefix cache still holds) later.
+Only the sequence admitted last in a step can be left part-way, so at most one is
+mid-prefill between steps, and it is always the newest in `running`. A decode token
+that needs a block when none is free preempts the newest running sequence: its blocks
+are freed and it goes back to the front of the waiting queue, to be recomputed.
 """
 from collections import deque
-from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.utils import cdiv
+
+
+class StopStringChecker(Protocol):
+    """Finds stop strings in a sequence's text (nanovllm.detokenizer implements it)."""
+
+    def check(self, seq: Sequence) -> str | None:
+        """Feed seq's new tokens; the text before a stop string they completed, or None."""
+
+    def discard(self, seq_id: int) -> None:
+        """Forget a sequence that has ended."""
 
 
 class ScheduledBatch(NamedTuple):
@@ -33,12 +39,12 @@ class ScheduledBatch(NamedTuple):
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: Iterable[int] = ()):
+                 stop_strings: StopStringChecker | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_strings = stop_strings  # needed only by requests with stop strings
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0  # statistics
@@ -47,11 +53,12 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
-        self.check_fits(seq)
+        """Queue a request that check_fits accepted."""
         self.waiting.append(seq)
 
     def check_fits(self, seq: Sequence) -> None:
-        """Refuse a request that could not run even with the whole cache to itself."""
+        """Refuse a request that could not run even with the whole cache to itself (the
+        engine asks before queueing anything, so one bad prompt queues none)."""
         if seq.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len="
@@ -59,7 +66,7 @@ class Scheduler:
         # The last sampled token never needs KV; the length is capped at max_model_len.
         final_len = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens,
                         max(self.max_model_len, seq.num_prompt_tokens + 1))
-        num_blocks = -(-(final_len - 1) // self.block_manager.block_size)
+        num_blocks = cdiv(final_len - 1, self.block_manager.block_size)
         if num_blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"request needs {num_blocks} KV-cache blocks but the cache has only "
@@ -72,7 +79,7 @@ class Scheduler:
         seqs = self._schedule_prefill()
         if seqs:
             return ScheduledBatch(seqs, is_prefill=True)
-        seqs = self._schedule_decode()
+        seqs = self._schedule_decode()  # nothing at all when idle
         if not seqs and not self.is_finished():
             raise RuntimeError("scheduler found no runnable sequence although requests are pending")
         return ScheduledBatch(seqs, is_prefill=False)
@@ -153,28 +160,29 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
-        """Why `seq` ends with its newest token, if it does. A stop token outranks the
-        length cap (vLLM's order); none counts among the first min_tokens tokens (the
-        sampler does not draw them there either)."""
+        """Why `seq` ends with its newest token, if it does: the one place that decides.
+        A stop token, then a stop string, outrank the length cap (vLLM's order); neither
+        counts among the first min_tokens tokens (the sampler does not draw stop tokens
+        there either)."""
         params = seq.sampling_params
-        if seq.num_completion_tokens > params.min_tokens and (
-                seq.last_token in params.stop_token_ids
-                or (not params.ignore_eos and seq.last_token in self.eos_token_ids)):
+        past_min = seq.num_completion_tokens > params.min_tokens
+        if past_min and seq.last_token in seq.stop_token_ids:
             return FinishReason.STOP
+        if params.stop:  # fed every step, so the search sees only the newest text
+            text = self.stop_strings.check(seq)
+            if past_min and text is not None:
+                seq.stop_text = text
+                return FinishReason.STOP
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a running sequence now (a stop string found by the engine); its blocks are
-        freed at once."""
-        self._finish(seq, reason)
-        self.running.remove(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
+        if seq.sampling_params.stop:
+            self.stop_strings.discard(seq.seq_id)
 
     # -- aborting -----------------------------------------------------------------
 

@@ -9,10 +9,12 @@ how many run this step, and which cache blocks hold them.
 prefix cache or an earlier step). A step computes `num_scheduled_tokens` tokens
 starting there; a prefill chunk that ends at `num_tokens` yields the next token.
 """
+from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import cdiv
 
 
 class SequenceStatus(Enum):
@@ -32,11 +34,12 @@ class Sequence:
     __slots__ = (
         "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
-        "block_size", "sampling_params", "finish_reason",
+        "block_size", "sampling_params", "stop_token_ids", "finish_reason", "stop_text",
     )
     _next_id = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None,
+                 block_size: int, eos_token_ids: Iterable[int] = ()):
         self.seq_id = next(Sequence._next_id)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -50,7 +53,12 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_size = block_size
         self.sampling_params = sampling_params
+        # The token ids that end it, resolved once: its stop ids, and EOS unless ignored.
+        p = sampling_params
+        self.stop_token_ids = frozenset() if p is None else frozenset(
+            [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)])
         self.finish_reason: FinishReason | None = None  # set when it finishes
+        self.stop_text: str | None = None  # the text before the stop string that ended it
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -70,7 +78,7 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Blocks needed to hold every token's KV."""
-        return (self.num_tokens + self.block_size - 1) // self.block_size
+        return cdiv(self.num_tokens, self.block_size)
 
     def block(self, i: int) -> list[int]:
         """Token ids of the i-th block (the last one may be partial)."""
@@ -99,5 +107,5 @@ class Sequence:
             self.token_ids = []
             self.last_token = tokens
         self.status = SequenceStatus.RUNNING
-        self.sampling_params = None
-        self.finish_reason = None
+        self.sampling_params = self.finish_reason = self.stop_text = None
+        self.stop_token_ids = frozenset()

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.layout import (check_chunk_kv, check_count, check_index, check_paged_cache,
-                                     check_rows, check_size, interpreted, output_like)
+from nanovllm.kernels.layout import assert_cache, assert_heads, assert_index, assert_rows, interpreted
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256   # a decode split reads at least this many keys ...
@@ -197,17 +196,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (padding) reads nothing and gets zeros. The grid and `num_splits` (None: chosen from
     the shapes) depend on shapes only, never on values: no host sync, so a CUDA graph
     can capture it. `out`: where to write (default: a new tensor)."""
-    check_rows("q", q, "[num_seqs, num_heads, head_dim]")
+    assert_rows("q", q, 3)
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = check_paged_cache(q, k_cache, v_cache, block_tables, num_seqs)
-    check_index("context_lens", context_lens, 1, q.device)
-    check_size("len(context_lens) (one per sequence)", context_lens.shape[0], num_seqs)
+    num_kv_heads = assert_cache(k_cache, v_cache, like=q)
+    assert_index("block_tables", block_tables, 2, num_seqs, q.device)
+    assert_index("context_lens", context_lens, 1, num_seqs, q.device)
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
                                        q.device)
-    check_count("num_splits", num_splits, minimum=1)
-    out = output_like(q, out)
+    assert isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}"
+    out = _output_like(q, out)
     if num_seqs == 0:
         return out
     group, block_d = num_heads // num_kv_heads, triton.next_power_of_2(head_dim)
@@ -240,19 +239,22 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_tables None: no cached prefix; the keys are the chunks' own k, v
     [num_tokens, num_kv_heads, head_dim] (cu_seqlens_k == cu_seqlens_q). Otherwise the
     keys come from the paged cache, which must already hold this chunk's K/V."""
-    check_rows("q", q, "[num_tokens, num_heads, head_dim]")
-    check_count("max_seqlen_q", max_seqlen_q, minimum=0)
+    assert_rows("q", q, 3)
+    assert isinstance(max_seqlen_q, int) and max_seqlen_q >= 0, f"max_seqlen_q={max_seqlen_q!r}"
     num_seqs = cu_seqlens_q.shape[0] - 1
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        check_index(name, cu, 1, q.device)
-        check_size(f"len({name}) (num_seqs + 1)", cu.shape[0], num_seqs + 1)
+    assert_index("cu_seqlens_q", cu_seqlens_q, 1, num_seqs + 1, q.device)
+    assert_index("cu_seqlens_k", cu_seqlens_k, 1, num_seqs + 1, q.device)
     if block_tables is None:
-        num_kv_heads = check_chunk_kv(q, k, v)
+        for name, t in (("k", k), ("v", v)):
+            assert_rows(name, t, 3, like=q)
+            assert t.shape == (q.shape[0], *k.shape[1:]), f"{name}'s shape {tuple(t.shape)}"
+        num_kv_heads = assert_heads(q, k.shape[1], k.shape[2], "k")
         keys, block_size, strides = (k, v), 1, (0, *k.stride()[:2], 0, *v.stride()[:2])
     else:
-        num_kv_heads = check_paged_cache(q, k_cache, v_cache, block_tables, num_seqs)
+        num_kv_heads = assert_cache(k_cache, v_cache, like=q)
+        assert_index("block_tables", block_tables, 2, num_seqs, q.device)
         keys, block_size, strides = (k_cache, v_cache), k_cache.shape[1], k_cache.stride()[:3] * 2
-    out = output_like(q, out)
+    out = _output_like(q, out)
     if num_seqs <= 0 or max_seqlen_q == 0:
         return out
     num_heads, head_dim = q.shape[1:]
@@ -271,14 +273,24 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def _output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    assert_rows("out", out, 3, like=q)
+    assert out.shape == q.shape, f"out's shape {tuple(out.shape)} is not q's {tuple(q.shape)}"
+    return out
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
                       device: torch.device) -> int:
     """How many ways to split each sequence's keys: enough programs to fill the GPU twice
-    over, each reading >= MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS. From shapes only."""
+    over, each reading >= MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS. From shapes only,
+    and a power of two: as an eager batch shrinks, the kernel compiles for few counts."""
     programs = max(1, num_seqs * num_kv_heads)
     by_occupancy = math.ceil(2 * _num_sms(device) / programs)
     by_length = math.ceil(max_context / MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
 
 
 @lru_cache(maxsize=None)

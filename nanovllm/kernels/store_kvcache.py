@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.layout import check_cache, check_index, check_like, check_rows, check_size
+from nanovllm.kernels.layout import assert_cache, assert_index, assert_rows
 
 
 @triton.jit
@@ -41,7 +41,11 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     num_kv_heads, head_dim]; slot_mapping [num_tokens] int32/int64, -1 = skip.
     Slots must lie below num_blocks * block_size (the runner's invariant; not checked
     here, as that would need a host sync)."""
-    check_kvcache_args(k, v, k_cache, v_cache, slot_mapping)
+    assert_rows("k", k, 3)
+    assert_rows("v", v, 3, like=k)
+    assert v.shape == k.shape, f"v's shape {tuple(v.shape)} is not k's {tuple(k.shape)}"
+    assert assert_cache(k_cache, v_cache, like=k) == k.shape[1], "k_cache's num_kv_heads is not k's"
+    assert_index("slot_mapping", slot_mapping, 1, k.shape[0], k.device)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -52,17 +56,3 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )
-
-
-def check_kvcache_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    check_rows("k", k, "[num_tokens, num_kv_heads, head_dim]")
-    check_rows("v", v, "[num_tokens, num_kv_heads, head_dim]")
-    check_like("v", v, "k", k)
-    check_size("v's shape (k's)", v.shape, k.shape)
-    check_cache(k_cache, v_cache)
-    check_like("k_cache", k_cache, "k", k)
-    check_size("k_cache's (num_kv_heads, head_dim)", k_cache.shape[2:], k.shape[1:])
-    check_index("slot_mapping", slot_mapping, 1, k.device)
-    check_size("len(slot_mapping) (one slot per token)", slot_mapping.shape[0], k.shape[0])
-

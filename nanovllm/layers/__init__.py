@@ -1,3 +1,2 @@
-"""Model building blocks of the data plane: linear layers that shard for tensor
-parallelism, embeddings, norms, rotary embedding, attention over the paged KV cache,
-and the sampler."""
+"""Model building blocks: linear layers that shard for tensor parallelism, embeddings,
+norms, rotary embedding, activation and the attention layer."""

@@ -2,10 +2,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.compilation import hot_op
+from nanovllm.compilation import HotOp
 
 
-@hot_op
+@HotOp
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: silu(x[..., :d]) * x[..., d:] for the fused gate_up projection."""
     gate, up = x.chunk(2, dim=-1)

@@ -3,9 +3,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.context import get_context
+from nanovllm.attention.metadata import get_context
 from nanovllm.layers.linear import copy_checked, divide
-from nanovllm.layers.parallel_state import get_tp_group
+from nanovllm.distributed.group import get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -14,7 +14,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.num_embeddings = num_embeddings
-        self.shard_size = divide(num_embeddings, self.tp_size, "vocab_size")
+        self.shard_size = divide(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim))
         self.weight.weight_loader = self.weight_loader

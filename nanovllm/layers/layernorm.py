@@ -1,10 +1,10 @@
 import torch
 from torch import nn
 
-from nanovllm.layers.compilation import hot_op
+from nanovllm.compilation import HotOp
 
 
-@hot_op
+@HotOp
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as Hugging Face's Qwen3RMSNorm does."""
     dtype = x.dtype
@@ -13,7 +13,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-@hot_op
+@HotOp
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); the add in the input dtype, as the

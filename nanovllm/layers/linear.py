@@ -12,13 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.parallel_state import get_tp_group
+from nanovllm.distributed.group import get_tp_group
 
 
-def divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size "
-                         f"({denominator})")
+def divide(numerator: int, denominator: int) -> int:
+    """A sharded size; Config checked that tensor_parallel_size divides the model's."""
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
     return numerator // denominator
 
 
@@ -46,20 +45,15 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_checked(param, loaded)
+    weight_loader = staticmethod(default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """The full weight on every rank."""
-
-
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, get_tp_group().size, "output size"), bias)
+        super().__init__(input_size, divide(output_size, get_tp_group().size), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_checked(param, self._rank_slice(loaded, param.shape[0]))
@@ -76,10 +70,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     the index of the checkpoint tensor."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        # Each part is sharded on its own, so each (not just the sum) must divide.
-        for size in output_sizes:
-            divide(size, get_tp_group().size, "output size")
         self.output_sizes = output_sizes
+        # Each part is sharded on its own, so each (not just the sum) must divide.
+        assert all(size % get_tp_group().size == 0 for size in output_sizes), output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
@@ -95,8 +88,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                  total_num_kv_heads: int, bias: bool = False):
         tp_size = get_tp_group().size
         self.head_dim = head_dim
-        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
-        self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_kv_heads = divide(total_num_kv_heads, tp_size)
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
         super().__init__(hidden_size, output_size, bias)
 
@@ -110,7 +103,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, get_tp_group().size, "input size"), output_size, bias)
+        super().__init__(divide(input_size, get_tp_group().size), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is not sharded: every rank holds all of it

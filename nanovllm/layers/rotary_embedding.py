@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from nanovllm.layers.compilation import hot_op
+from nanovllm.compilation import HotOp
 
 
 class RotaryEmbedding(nn.Module):
@@ -21,7 +21,7 @@ class RotaryEmbedding(nn.Module):
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
-@hot_op
+@HotOp
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)

@@ -1,14 +1,7 @@
 """Decode CUDA graphs: the model's forward over a decode batch, captured once per batch
-size and replayed each step, so a step costs a few launches instead of hundreds of
-kernel launches from Python.
-
-    captured sizes   1, 2, 4, 8, then every 16 up to min(max_num_seqs, 512), and that
-                     limit itself, so that every batch up to it has a graph
-    a batch of n     replays the smallest captured size >= n; rows n.. are padding
-    a larger batch   runs eagerly (max_num_seqs > 512)
-
-A graph replays fixed addresses, so every graph reads its inputs from, and writes its
-output to, one set of static buffers; before a replay the batch is copied in:
+size (1, 2, 4, 8, then every 16 up to min(max_num_seqs, 512)) and replayed each step.
+A batch of n replays the smallest captured size >= n from static buffers; rows n.. are
+padding (README, "CUDA", has the why of each choice):
 
     row             0 .. n-1                       n .. size-1 (padding)
     input_ids       the batch's                    stale (any valid token id)
@@ -17,18 +10,9 @@ output to, one set of static buffers; before a replay the batch is copied in:
     context_lens    the batch's                    0: attention reads nothing
     block_tables    the batch's, -1 past its width -1
 
-The block-table buffer holds max_model_len + 1 tokens' blocks (nano-vLLM issue #106: the
-token being decoded may need a block more than the longest prompt). Graphs are captured
-largest first into one memory pool, which the smaller ones reuse; each is run eagerly
-once just before its capture, so that Triton and torch.compile compile outside it. The
-LM head and the sampler stay outside the graph, on the output's rows 0 .. n-1.
-
-Only backends whose decode has no host sync and launch shapes fixed by the buffers'
-shapes can be captured: `triton` (its split count depends on the block-table width,
-fixed per graph) and `flash_attn`. The `torch` backend's store_kvcache drops padding
-slots after a host sync (`.any()`), so with it decode runs eagerly. With tensor
-parallelism every rank captures the same sizes in the same order (in its ModelRunner's
-constructor); the NCCL all-reduces inside are captured and pair up at replay.
+The block-table buffer holds max_model_len + 1 tokens' blocks (nano-vLLM issue #106).
+Graphs are captured largest first into one memory pool; only backends whose decode has
+no host sync (`triton`, `flash_attn`) can be captured.
 """
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -36,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.context import AttentionMetadata, attention_context
+from nanovllm.attention.metadata import AttentionMetadata, attention_context
 
 CAPTURABLE_BACKENDS = frozenset({"triton", "flash_attn"})
 MAX_CAPTURED_BATCH = 512

@@ -7,12 +7,11 @@ Slot mapping (where each new token's K/V goes), for block_size 4:
     positions     0  1  2  3 | 4  5
     slots        28 29 30 31 | 8  9
 
-With tensor_parallel_size N, one ModelRunner per rank: rank 0 in the caller's process,
-ranks 1..N-1 spawned (runner/distributed.py). Rank 0 drives each step with
-`call("run", seqs, is_prefill)`, which runs it on every rank; only rank 0 samples.
+With tensor parallelism, one ModelRunner per rank (nanovllm/distributed): rank 0 drives
+each step with `call("run", seqs, is_prefill)`, which runs it on every rank; only rank 0
+samples.
 """
 import weakref
-from functools import cached_property
 from itertools import chain
 
 import torch
@@ -20,20 +19,22 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
-from nanovllm.layers.attention import Attention, select_backend
-from nanovllm.layers.compilation import compile_scope
-from nanovllm.layers.context import AttentionMetadata, attention_context
-from nanovllm.layers.parallel_state import SINGLE_RANK, TPGroup, tp_group_scope
-from nanovllm.layers.sampler import Sampler
+from nanovllm.attention import AttentionMetadata, attention_context, select_backend
+from nanovllm.compilation import compile_scope
+from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
+from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
+from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
 from nanovllm.runner.device import default_dtype, resolve_device, resolve_dtype, to_device
-from nanovllm.runner.distributed import Rendezvous, WorkerGroup, connect_worker
-from nanovllm.runner.kv_cache import (CudaMemoryBaseline, bind_kv_cache, bytes_per_block,
-                                      kv_cache_budget, kv_cache_shape, num_blocks_within)
+from nanovllm.runner.kv_cache import (bind_kv_cache, bytes_per_block, cuda_memory_profile,
+                                      kv_cache_budget, kv_cache_shape, num_blocks_within,
+                                      untracked_cuda_memory)
 from nanovllm.runner.loader import load_dummy_weights, load_model
-from nanovllm.runner.sampling_metadata import TokenCounts, build_sampling_metadata
+from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import cdiv
 
 
 class ModelRunner:
@@ -53,12 +54,16 @@ class ModelRunner:
         self.workers: WorkerGroup | None = None  # rank 0's handle on ranks 1..N-1
         self.tp_group = self._init_tensor_parallel(rendezvous)
         is_cuda = self.device.type == "cuda"
-        self.memory_baseline = CudaMemoryBaseline.take(self.device) if is_cuda else None
+        self.untracked_at_start = untracked_cuda_memory(self.device) if is_cuda else 0
         # CUDA: small ops compiled, decode replayed from graphs (not under enforce_eager)
         with compile_scope(is_cuda and not config.enforce_eager):
             self.model = self._build_model()
             self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+        # Penalties' per-sequence token counts (rank 0 samples); no memory until used.
+        self.token_counts = TokenCounts(config.hf_config.vocab_size, self.device)
         self.graph_runner: CUDAGraphRunner | None = None
         if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name):
             self.graph_runner = CUDAGraphRunner(
@@ -99,14 +104,14 @@ class ModelRunner:
         return model.requires_grad_(False)
 
     def allocate_kv_cache(self) -> int:
-        """Allocate the KV cache (kv_cache.py) and bind it to the layers; the block count."""
+        """Allocate the KV cache and bind it to the layers; the block count."""
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks < 0:
             # Block ids are shared by all ranks: each takes the smallest count any can fit.
             fits = torch.tensor([self._blocks_that_fit()], device=self.device)
             num_blocks = int(self.tp_group.all_reduce(fits, op="min").item())
         self.kv_cache = self._new_kv_cache(num_blocks)
-        bind_kv_cache(self.attention_layers, self.kv_cache, self.backend)
+        bind_kv_cache(self.attention_layers, self.kv_cache)
         return num_blocks
 
     def _new_kv_cache(self, num_blocks: int) -> torch.Tensor:
@@ -114,6 +119,8 @@ class ModelRunner:
                            dtype=self.dtype, device=self.device)
 
     def _blocks_that_fit(self) -> int:
+        """Blocks within the memory budget (a CPU: cpu_kvcache_space_gib; CUDA: kv_cache.py),
+        at most what max_num_seqs full-length sequences could ever use."""
         block_bytes = bytes_per_block(self.attention_layers, self.block_size, self.dtype)
         if self.device.type == "cuda":
             num_blocks = num_blocks_within(
@@ -122,20 +129,19 @@ class ModelRunner:
         else:
             num_blocks = num_blocks_within(int(self.config.cpu_kvcache_space_gib * 2**30),
                                            block_bytes, "raise cpu_kvcache_space_gib")
-        # More blocks than max_num_seqs full-length sequences could ever use is waste.
-        blocks_per_seq = (self.config.max_model_len + self.block_size) // self.block_size
+        blocks_per_seq = cdiv(self.config.max_model_len + 1, self.block_size)
         return min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
 
     def _cuda_kv_budget(self) -> int:
-        """Bytes for the KV cache after measuring what the rest needs: the graphs' pool
-        (a trial capture), then the peak of a warmup at the largest batches."""
+        """Bytes left for the KV cache once the graphs' pool (a trial capture) and a warmup
+        at the largest batches are measured."""
         graph_pool = 0
         if self.graph_runner is not None:
-            bind_kv_cache(self.attention_layers, self._new_kv_cache(1), self.backend)
+            bind_kv_cache(self.attention_layers, self._new_kv_cache(1))
             graph_pool = self.graph_runner.measure_pool()  # every row padding: 1 block will do
-            bind_kv_cache(self.attention_layers, None, self.backend)
-        peak = self.warmup()
-        profile = self.memory_baseline.profile(peak, graph_pool)
+            bind_kv_cache(self.attention_layers, None)
+        profile = cuda_memory_profile(self.device, self.untracked_at_start, self.warmup(),
+                                      graph_pool)
         return kv_cache_budget(profile, self.config.gpu_memory_utilization)
 
     @torch.inference_mode()
@@ -172,8 +178,7 @@ class ModelRunner:
                                  (plain, 1)):
             seqs = [Sequence([0], params, self.block_size) for _ in range(num_rows)]
             counts = TokenCounts(vocab_size, self.device)  # dropped after: the worst case
-            metadata = build_sampling_metadata(seqs, vocab_size, self.eos_token_ids,
-                                               lambda: counts, self._to_device)
+            metadata = build_sampling_metadata(seqs, vocab_size, counts, self.device)
             logits = torch.zeros(num_rows, vocab_size, dtype=self.dtype, device=self.device)
             self.sampler(logits, metadata)
 
@@ -267,18 +272,9 @@ class ModelRunner:
                 hidden_states = self.model(input_ids, positions)
             return self.model.compute_logits(hidden_states)
 
-    # EOS ids that min_tokens keeps from being sampled; the engine sets them.
-    eos_token_ids: frozenset[int] = frozenset()
-
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        metadata = build_sampling_metadata(seqs, logits.shape[-1], self.eos_token_ids,
-                                           lambda: self.token_counts, self._to_device)
+        metadata = build_sampling_metadata(seqs, logits.shape[-1], self.token_counts, self.device)
         return self.sampler(logits, metadata)
-
-    @cached_property
-    def token_counts(self) -> TokenCounts:
-        """Penalties' per-sequence token counts, allocated when a request first has one."""
-        return TokenCounts(self.config.hf_config.vocab_size, self.device)
 
     def close(self) -> None:
         """Free the CUDA graphs and the KV cache; rank 0 stops its workers, a worker
@@ -290,7 +286,7 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.close()
             self.graph_runner = None
-        bind_kv_cache(self.attention_layers, None, self.backend)
+        bind_kv_cache(self.attention_layers, None)
         self.kv_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the device, e.g. for the next engine's sizing

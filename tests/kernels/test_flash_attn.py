@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, cu_seqlens, paged_cache, randn, rel_error
-from nanovllm.layers.context import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     DEVICE != "cuda" or importlib.util.find_spec("flash_attn") is None,
@@ -14,8 +14,8 @@ BLOCK, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 256, 2, 8, 128
 
 
 def backends():
-    from nanovllm.layers.flash_attention import FlashAttnBackend
-    from nanovllm.layers.triton_attention import TritonBackend
+    from nanovllm.attention.flash_backend import FlashAttnBackend
+    from nanovllm.attention.triton_backend import TritonBackend
     return FlashAttnBackend(), TritonBackend()
 
 

@@ -65,7 +65,7 @@ def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:
         else:
             decode_s += elapsed
             num_decode_steps += 1
-        output_tokens += sum(len(token_ids) for _, token_ids in out.finished)
+        output_tokens += sum(len(o.token_ids) for o in out.finished)
     return {"status": "ok", "time_s": perf_counter() - start, "output_tokens": output_tokens,
             "prefill_time_s": prefill_s, "decode_time_s": decode_s,
             "num_decode_steps": num_decode_steps}

@@ -1,22 +1,17 @@
 """The tensor-parallel group a model is sharded over, and its collectives.
 
 Every engine has a process group of its own (two engines may live in one process), so
-the layers never use torch.distributed's global default group. A layer captures the
-group that is current while it is constructed and uses it ever after:
-
-    with tp_group_scope(group):   # the runner, around building the model
-        model = Qwen3ForCausalLM(hf_config)
-
-Outside a scope the group is a single rank and no collective runs. The collectives call
-the backend object itself: torch.distributed's functions look ranks up in the registry of
-groups made by init_process_group / new_group, which ours are not in.
+layers never use torch.distributed's global group: a layer takes the group current while
+it is built (`with tp_group_scope(group): model = ...`) and keeps it. Outside a scope the
+group is a single rank. The collectives call the backend object itself: torch.distributed's
+functions look ranks up in a registry our groups are not in.
 """
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from nanovllm.utils import Scoped
 
 
 @dataclass(slots=True)
@@ -56,19 +51,9 @@ class TPGroup:
 
 
 SINGLE_RANK = TPGroup()
-_current: TPGroup = SINGLE_RANK
+_current: Scoped[TPGroup] = Scoped(SINGLE_RANK)
+tp_group_scope = _current.scope  # layers constructed inside shard over the group
 
 
 def get_tp_group() -> TPGroup:
-    return _current
-
-
-@contextmanager
-def tp_group_scope(group: TPGroup) -> Iterator[TPGroup]:
-    """Layers constructed inside shard over `group`."""
-    global _current
-    previous, _current = _current, group
-    try:
-        yield group
-    finally:
-        _current = previous
+    return _current.value

@@ -5,7 +5,7 @@ by our Triton store_kvcache kernel."""
 import torch
 
 from nanovllm.kernels import store_kvcache
-from nanovllm.layers.context import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata
 
 
 class FlashAttnBackend:

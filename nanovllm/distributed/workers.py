@@ -4,22 +4,12 @@ ranks 1..N-1, which it spawns here.
     caller's process                                  spawned process, rank r = 1..N-1
     LLMEngine, Scheduler, BlockManager, Sequences
     ModelRunner rank 0 --- ("run", seqs, ...) ----pipe---> worker_main: ModelRunner rank r
-    (its 1/N of the weights and KV heads)                  (its 1/N of the weights and KV heads)
                <------ all-reduce / gather: gloo on CPU, NCCL on CUDA ------>
 
-- Rendezvous: rank 0 opens a TCPStore on a port the OS picks as free, so engines never
-  share one. Each engine has its own process group, not torch.distributed's global one.
-- Calls: one pipe per worker carrying a pickled (method, args). A pipe frames each
-  message with its length, takes messages of any size and copies them into the kernel,
-  so rank 0 can never overwrite a message a worker is still reading; for step-sized
-  messages it measured as fast as shared memory + events. Workers send nothing back:
-  results reach rank 0 through the collectives.
-- Failures: rank 0 checks its workers are alive around every call, and a watchdog thread
-  aborts the process group the moment one dies, so a collective waiting on it fails
-  instead of hanging (gloo notices the closed socket by itself; NCCL would wait for the
-  group timeout). A worker exits when rank 0's process does.
-- Shutdown: closing the pipes is the exit signal (workers read end-of-file); rank 0
-  joins them, terminating any that do not leave, then shuts the process group down.
+Rank 0 opens a TCPStore on a port the OS picks. One pipe per worker carries pickled
+(method, args); workers answer only through the collectives. A watchdog aborts the
+process group the moment a worker dies, so no collective waits on it; closing the pipes
+(end-of-file) is the exit signal.
 """
 import multiprocessing as mp
 import os
@@ -36,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.layers.parallel_state import TPGroup
+from nanovllm.distributed.group import TPGroup
 
 HOST = "127.0.0.1"                      # every rank runs on this machine
 GROUP_TIMEOUT = timedelta(minutes=5)    # a collective waiting this long on a live rank fails

@@ -1,55 +1,18 @@
-"""Turns the last-token logits of each sequence into one token id per row.
-
-Every row carries its own settings (vLLM's semantics, see SamplingParams), applied in
-one batched pass, in this order:
+"""Turns the last-token logits of each sequence into one token id per row, every row
+with its own settings (vLLM's semantics), in one batched pass:
 
     suppressed ids -> penalties -> [greedy rows: argmax]
                    -> temperature -> top-k -> top-p -> min-p -> sample
 
-Work no row of the batch asks for is skipped: the host decides it when it builds the
-SamplingMetadata (a None field means "no row needs this").
-
-Sampling is the exponential race: argmax(p / E) with E ~ Exp(1) iid per token draws
-exactly from p, without a cumulative sum. Unseeded rows take E from torch's global
-generator. A seeded row takes E from a counter-based hash of (its key, token id), where
-the key comes from (seed, number of tokens generated so far): its random numbers
-depend on nothing else, so its tokens do not depend on the batch around it, and the
-whole batch is drawn at once, with no loop over rows.
+Sampling is the exponential race: argmax(p / E), E ~ Exp(1) iid per token, draws exactly
+from p. A seeded row's E is a counter-based hash of (key from (seed, tokens so far), token
+id), so its tokens do not depend on the batch around it.
 """
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from nanovllm.layers.compilation import hot_op
-
-
-@dataclass(slots=True)
-class Penalties:
-    """vLLM's penalties for the rows that have one (P of the batch's B rows)."""
-    rows: torch.Tensor           # [P] int64: their rows in the batch
-    output_counts: torch.Tensor  # [P, vocab] float32: times each token is in the completion
-    in_prompt: torch.Tensor      # [P, vocab] bool: token is in the prompt
-    repetition: torch.Tensor     # [P] float32, 1 = off
-    presence: torch.Tensor       # [P] float32, 0 = off
-    frequency: torch.Tensor      # [P] float32, 0 = off
-
-
-@dataclass(slots=True)
-class SamplingMetadata:
-    """Per-row settings of a batch of B rows, on the logits' device."""
-    temperatures: torch.Tensor                  # [B] float32; greedy rows hold 1.0
-    greedy: torch.Tensor | None = None          # [B] bool; None when no row is greedy
-    all_greedy: bool = False
-    top_k: torch.Tensor | None = None           # [B] int64; vocab size = keep all
-    max_top_k: int = 0                          # the largest k below the vocab size
-    top_p: torch.Tensor | None = None           # [B] float32; 1.0 = keep all
-    min_p: torch.Tensor | None = None           # [B] float32; 0.0 = keep all
-    seeded_rows: torch.Tensor | None = None     # [S] int64
-    seed_keys: torch.Tensor | None = None       # [S] int64, 32-bit keys (see seed_key)
-    all_seeded: bool = False
-    penalties: Penalties | None = None
-    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # ([N] rows, [N] token ids)
+from nanovllm.compilation import HotOp
+from nanovllm.sampling.metadata import Penalties, SamplingMetadata
 
 
 class Sampler(nn.Module):
@@ -62,8 +25,8 @@ class Sampler(nn.Module):
         """logits [B, vocab] -> token ids [B]. The logits are overwritten."""
         m = metadata
         logits = logits.float()
-        if m.suppressed is not None:
-            logits[m.suppressed] = float("-inf")
+        if m.suppressed is not None:  # a device-side -inf: no blocking copy of a scalar
+            logits.index_put_(m.suppressed, logits.new_full((), float("-inf")))
         if m.penalties is not None:
             p = m.penalties
             logits[p.rows] = apply_penalties(logits[p.rows], p)
@@ -125,7 +88,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-@hot_op
+@HotOp
 def softmax_race(logits: torch.Tensor) -> torch.Tensor:
     """[B, vocab] logits -> [B] token ids drawn from softmax(logits), every row with
     the global generator's noise."""

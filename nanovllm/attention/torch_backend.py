@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.context import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 

@@ -1,14 +1,10 @@
-"""Per-step attention metadata: the model runner fills it, the attention layers read it.
-
-It lives in a module-level slot only inside `attention_context(...)`, which restores the
-previous value (None outside any) in `finally`, so a failed step cannot leak one batch's
-metadata into the next.
-"""
-from collections.abc import Iterator
-from contextlib import contextmanager
+"""Per-step attention metadata: the model runner fills it, the attention layers read it,
+inside `attention_context(...)` only (a failed step cannot leak it into the next)."""
 from dataclasses import dataclass
 
 import torch
+
+from nanovllm.utils import Scoped
 
 
 @dataclass(slots=True)
@@ -37,20 +33,11 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None   # [num_seqs] int32
 
 
-_context: AttentionMetadata | None = None
+_current: Scoped[AttentionMetadata | None] = Scoped(None)
+attention_context = _current.scope
 
 
 def get_context() -> AttentionMetadata:
-    if _context is None:
+    if _current.value is None:
         raise RuntimeError("attention metadata is only available inside attention_context()")
-    return _context
-
-
-@contextmanager
-def attention_context(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
-    global _context
-    previous, _context = _context, metadata
-    try:
-        yield metadata
-    finally:
-        _context = previous
+    return _current.value

@@ -4,7 +4,7 @@ a CPU in Triton's interpreter (TRITON_INTERPRET=1, for tests)."""
 import torch
 
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
-from nanovllm.layers.context import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata
 
 
 class TritonBackend:

@@ -1,18 +1,41 @@
-"""Builds a batch's SamplingMetadata on the host from its sequences (rank 0 only, where
-sequences hold every token), deciding which work the batch needs, and keeps the token
-counts that penalties read on the device across steps."""
-from collections.abc import Callable, Collection
+"""What the sampler needs to know about a batch, built on the host from its sequences
+(rank 0 only, where sequences hold every token): which work the batch needs (a None
+field: no row needs it), and the token counts penalties read, kept on the device."""
 from dataclasses import dataclass
 from hashlib import blake2b
 
 import torch
 
 from nanovllm.core.sequence import Sequence
-from nanovllm.layers.sampler import Penalties, SamplingMetadata
 from nanovllm.runner.device import to_device
 from nanovllm.sampling_params import SamplingParams
 
-ToDevice = Callable[[torch.Tensor], torch.Tensor]
+@dataclass(slots=True)
+class Penalties:
+    """vLLM's penalties for the rows that have one (P of the batch's B rows)."""
+    rows: torch.Tensor           # [P] int64: their rows in the batch
+    output_counts: torch.Tensor  # [P, vocab] float32: times each token is in the completion
+    in_prompt: torch.Tensor      # [P, vocab] bool: token is in the prompt
+    repetition: torch.Tensor     # [P] float32, 1 = off
+    presence: torch.Tensor       # [P] float32, 0 = off
+    frequency: torch.Tensor      # [P] float32, 0 = off
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row settings of a batch of B rows, on the logits' device."""
+    temperatures: torch.Tensor                  # [B] float32; greedy rows hold 1.0
+    greedy: torch.Tensor | None = None          # [B] bool; None when no row is greedy
+    all_greedy: bool = False
+    top_k: torch.Tensor | None = None           # [B] int64; vocab size = keep all
+    max_top_k: int = 0                          # the largest k below the vocab size
+    top_p: torch.Tensor | None = None           # [B] float32; 1.0 = keep all
+    min_p: torch.Tensor | None = None           # [B] float32; 0.0 = keep all
+    seeded_rows: torch.Tensor | None = None     # [S] int64
+    seed_keys: torch.Tensor | None = None       # [S] int64, 32-bit keys (see seed_key)
+    all_seeded: bool = False
+    penalties: Penalties | None = None
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # ([N] rows, [N] token ids)
 
 
 def seed_key(seed: int, step: int) -> int:
@@ -42,6 +65,7 @@ class TokenCounts:
         self.output_counts = torch.zeros(0, vocab_size, device=device)
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.tracked: dict[int, _Tracked] = {}  # seq_id -> its slot
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         self.free_slots: list[int] = []
 
     def update(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -58,8 +82,8 @@ class TokenCounts:
             output_slots += [entry.slot] * len(new_output)
             output_ids += new_output
             entry.num_counted = len(seq)
-        if prompt_ids:
-            self.in_prompt[self._index(prompt_slots, prompt_ids)] = True
+        if prompt_ids:  # a device-side True: a Python scalar would be a blocking copy
+            self.in_prompt.index_put_(self._index(prompt_slots, prompt_ids), self._true)
         if output_ids:
             self.output_counts.index_put_(self._index(output_slots, output_ids),
                                           torch.ones(len(output_ids), device=self.device),
@@ -75,8 +99,8 @@ class TokenCounts:
         if not self.free_slots:
             self._grow()
         entry = self.tracked[seq.seq_id] = _Tracked(seq, self.free_slots.pop())
-        self.output_counts[entry.slot] = 0
-        self.in_prompt[entry.slot] = False
+        self.output_counts[entry.slot].zero_()
+        self.in_prompt[entry.slot].zero_()
         return entry
 
     def _grow(self) -> None:
@@ -94,84 +118,76 @@ class TokenCounts:
             self.free_slots.append(self.tracked.pop(seq_id).slot)
 
 
-def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
-                            eos_token_ids: Collection[int],
-                            token_counts: Callable[[], TokenCounts],
-                            to_device: ToDevice) -> SamplingMetadata:
-    """The per-row tensors of a batch; features no row uses stay None. `token_counts`
-    is called only when a row has a penalty."""
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts: TokenCounts,
+                            device: torch.device) -> SamplingMetadata:
+    """The per-row tensors of a batch, on `device`; features no row uses stay None."""
+    def put(data: list) -> torch.Tensor:
+        return to_device(torch.tensor(data), device)
+
     params = [seq.sampling_params for seq in seqs]
     greedy = [p.is_greedy for p in params]
-    m = SamplingMetadata(
-        temperatures=to_device(torch.tensor([1.0 if g else p.temperature
-                                             for p, g in zip(params, greedy)])),
-        all_greedy=all(greedy))
+    m = SamplingMetadata(temperatures=put([1.0 if g else p.temperature
+                                           for p, g in zip(params, greedy)]),
+                         all_greedy=all(greedy))
     if any(greedy):
-        m.greedy = to_device(torch.tensor(greedy))
-    m.suppressed = _suppressed(seqs, eos_token_ids, to_device)
-    m.penalties = _penalties(seqs, token_counts, to_device)
+        m.greedy = put(greedy)
+    m.suppressed = _suppressed(seqs, put)
+    m.penalties = _penalties(seqs, token_counts, put)
     if not m.all_greedy:
         sampled = [not g for g in greedy]
-        _add_filters(m, params, sampled, vocab_size, to_device)
-        _add_seeds(m, seqs, sampled, to_device)
+        _add_filters(m, params, sampled, vocab_size, put)
+        _add_seeds(m, seqs, sampled, put)
     return m
 
 
 def _add_filters(m: SamplingMetadata, params: list[SamplingParams], sampled: list[bool],
-                 vocab_size: int, to_device: ToDevice) -> None:
+                 vocab_size: int, put) -> None:
     # Greedy rows keep everything: their token is the argmax, taken before the filters.
     top_k = [p.top_k if s and 0 < p.top_k < vocab_size else vocab_size
              for p, s in zip(params, sampled)]
     top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
     min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
     if min(top_k) < vocab_size:
-        m.top_k = to_device(torch.tensor(top_k))
+        m.top_k = put(top_k)
         m.max_top_k = max(k for k in top_k if k < vocab_size)
     if min(top_p) < 1:
-        m.top_p = to_device(torch.tensor(top_p))
+        m.top_p = put(top_p)
     if max(min_p) > 0:
-        m.min_p = to_device(torch.tensor(min_p))
+        m.min_p = put(min_p)
 
 
-def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: list[bool],
-               to_device: ToDevice) -> None:
+def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: list[bool], put) -> None:
     rows = [i for i, (seq, s) in enumerate(zip(seqs, sampled))
             if s and seq.sampling_params.seed is not None]
     if not rows:
         return
     keys = [seed_key(seqs[i].sampling_params.seed, seqs[i].num_completion_tokens) for i in rows]
-    m.seeded_rows = to_device(torch.tensor(rows))
-    m.seed_keys = to_device(torch.tensor(keys))
+    m.seeded_rows, m.seed_keys = put(rows), put(keys)
     m.all_seeded = len(rows) == sum(sampled)
 
 
-def _suppressed(seqs: list[Sequence], eos_token_ids: Collection[int],
-                to_device: ToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) that min_tokens forbids: EOS (unless ignored) and the stop ids."""
+def _suppressed(seqs: list[Sequence], put) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) that min_tokens forbids: the sequence's stop ids (EOS included
+    unless ignore_eos), resolved when it was made."""
     rows, ids = [], []
     for row, seq in enumerate(seqs):
-        p = seq.sampling_params
-        if seq.num_completion_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            rows.extend([row] * len(banned))
-            ids.extend(banned)
+        if seq.num_completion_tokens < seq.sampling_params.min_tokens:
+            rows.extend([row] * len(seq.stop_token_ids))
+            ids.extend(seq.stop_token_ids)
     if not rows:
         return None
-    flat = to_device(torch.tensor([rows, ids]))
+    flat = put([rows, ids])  # [2, n]: one transfer
     return flat[0], flat[1]
 
 
-def _penalties(seqs: list[Sequence], token_counts: Callable[[], TokenCounts],
-               to_device: ToDevice) -> Penalties | None:
+def _penalties(seqs: list[Sequence], counts: TokenCounts, put) -> Penalties | None:
     rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.has_penalties]
     if not rows:
         return None
-    counts = token_counts()
     slots = counts.update([seqs[i] for i in rows])
     params = [seqs[i].sampling_params for i in rows]
-    per_row = torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
-                            for p in params])
-    repetition, presence, frequency = to_device(per_row).unbind(1)
-    return Penalties(rows=to_device(torch.tensor(rows)),
-                     output_counts=counts.output_counts[slots], in_prompt=counts.in_prompt[slots],
-                     repetition=repetition, presence=presence, frequency=frequency)
+    repetition, presence, frequency = put(
+        [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params]).unbind(1)
+    return Penalties(rows=put(rows), output_counts=counts.output_counts[slots],
+                     in_prompt=counts.in_prompt[slots], repetition=repetition, presence=presence,
+                     frequency=frequency)

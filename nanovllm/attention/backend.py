@@ -1,0 +1,80 @@
+"""The attention backend interface, and which backend runs where.
+
+Each step, an attention layer (1) writes the new tokens' K/V into their cache slots
+(`slot_mapping`, -1 = skip) and (2) attends:
+  prefill  each sequence's chunk of queries over its keys (cached prefix + chunk), causal;
+  decode   one query per sequence over its `context_lens` cached keys.
+"""
+import importlib
+from typing import Protocol
+
+import torch
+
+from nanovllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """What every backend implements. Shapes:
+    q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
+    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; outputs are
+    [num_tokens, num_heads, head_dim] (decode: one token per sequence)."""
+
+    name: str
+
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ctx: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    """The backend for `attention_backend=name`. "auto": flash_attn where it can run, else
+    triton on CUDA, else torch. A named backend that cannot run is a ValueError saying why.
+    triton and flash-attn are imported only when chosen."""
+    if name == "auto":
+        candidates = ("flash_attn", "triton") if device.type == "cuda" else ()
+        name = next((n for n in candidates if _why_not(n, device, block_size) is None), "torch")
+    reason = None if name == "torch" else _why_not(name, device, block_size)
+    if reason is not None:
+        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
+    if name == "torch":
+        from nanovllm.attention.torch_backend import TorchBackend
+        return TorchBackend()
+    if name == "triton":
+        from nanovllm.attention.triton_backend import TritonBackend
+        return TritonBackend()
+    from nanovllm.attention.flash_backend import FlashAttnBackend
+    return FlashAttnBackend()
+
+
+def _why_not(name: str, device: torch.device, block_size: int) -> str | None:
+    """Why backend `name` ("triton" or "flash_attn") cannot run here; None if it can."""
+    if name == "flash_attn":
+        if device.type != "cuda":
+            return f"flash-attn needs a CUDA device, not {device.type}; use 'torch'"
+        if (error := _import_error("flash_attn")) is not None:
+            return f"flash-attn is not installed or does not load ({error}); use 'triton'"
+        if block_size % 256:
+            return (f"flash-attn's paged KV cache needs kvcache_block_size % 256 == 0, got "
+                    f"{block_size}; use kvcache_block_size=256 or attention_backend='triton'")
+    if (error := _import_error("triton")) is not None:  # flash_attn writes the cache with it too
+        return f"triton is not installed or does not load ({error})"
+    if name == "triton" and device.type != "cuda":
+        from nanovllm.kernels import interpreted
+        if device.type != "cpu" or not interpreted():
+            return (f"the Triton kernels need a CUDA device, not {device.type}; use 'torch' (on a "
+                    f"CPU they run only in Triton's interpreter: TRITON_INTERPRET=1 set before "
+                    f"nanovllm is imported, slow, for tests)")
+    return None
+
+
+def _import_error(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return str(error)
+    return None
