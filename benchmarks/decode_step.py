@@ -59,15 +59,15 @@ def time_steps(llm: LLM, steps: int, cycles_per_ms: float) -> dict[str, float]:
     for i in range(2 * steps):
         busy = i % 2 == 1
         t0 = time.perf_counter()
-        seqs, is_prefill = scheduler.schedule()
-        assert not is_prefill
+        seqs = scheduler.schedule()
+        assert not any(seq.is_prefill for seq in seqs)
         t1 = time.perf_counter()
         if busy:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(int(BUSY_MS * cycles_per_ms))
             start.record()
             t1 = time.perf_counter()
-        sampled = runner.execute_model(seqs, False)
+        sampled = runner.execute_model(seqs)
         t2 = time.perf_counter()
         if busy:
             end.record()

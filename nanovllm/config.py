@@ -12,6 +12,7 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCHEDULING_POLICIES = ("mixed", "prefill_first")
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Config:
     load_format: str = "auto"
     enable_prefix_caching: bool = True
     cpu_kvcache_space_gib: float = 4.0     # KV-cache budget on the CPU
+    scheduling_policy: str = "mixed"       # decode first; "prefill_first": nano-vLLM's
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,7 +56,8 @@ class Config:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("load_format", LOAD_FORMATS)):
+                              ("load_format", LOAD_FORMATS),
+                              ("scheduling_policy", SCHEDULING_POLICIES)):
             check_choice(name, getattr(self, name), allowed)
         self.hf_config = AutoConfig.from_pretrained(self.model)
         check_tensor_parallel_divides(self.hf_config, self.tensor_parallel_size)

@@ -50,7 +50,8 @@ class LLMEngine:
         self.scheduler = Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
-                                   stop_strings=StopStringChecker(self.tokenizer))
+                                   stop_strings=StopStringChecker(self.tokenizer),
+                                   policy=config.scheduling_policy)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue one request; returns its seq_id. Bad input raises before anything is queued."""
@@ -89,19 +90,19 @@ class LLMEngine:
         """One step of every pending request; an idle engine does nothing."""
         self._check_open()
         try:
-            seqs, is_prefill = self.scheduler.schedule()
+            seqs = self.scheduler.schedule()
             if not seqs:
                 return StepOutput([], 0, 0)
-            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-            token_ids = self.model_runner.call("run", seqs, is_prefill)
+            num_decode = sum(1 for seq in seqs if not seq.is_prefill)
+            num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
+            token_ids = self.model_runner.call("run", seqs)
             finished = self.scheduler.postprocess(seqs, token_ids)
         except BaseException:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
             self.scheduler.abort_all()
             raise
         return StepOutput([self._completion_output(seq) for seq in finished],
-                          num_prefill_tokens=num_tokens if is_prefill else 0,
-                          num_decode_tokens=0 if is_prefill else num_tokens)
+                          num_prefill_tokens=num_prefill, num_decode_tokens=num_decode)
 
     def _completion_output(self, seq: Sequence) -> CompletionOutput:
         token_ids = seq.completion_token_ids

@@ -1,20 +1,23 @@
 """A pure-Python stand-in for the model runner, so the scheduler and block manager
 can be driven through whole request lifecycles without a model."""
-from nanovllm.core import ScheduledBatch, Scheduler, Sequence
+from nanovllm.core import Scheduler, Sequence
 
 
 class FakeRunner:
     """Returns one token per scheduled sequence and records every batch."""
 
     def __init__(self, eos_after: dict[int, int] | None = None, eos: int = 0):
-        self.batches: list[tuple[list[int], list[int], bool]] = []
+        # (seq ids, tokens each, how many are decode rows) per step
+        self.batches: list[tuple[list[int], list[int], int]] = []
         self.eos_after = eos_after or {}  # seq_id -> emit EOS once this many tokens exist
         self.eos = eos
 
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        self.batches.append(([s.seq_id for s in batch.seqs],
-                             [s.num_scheduled_tokens for s in batch.seqs], batch.is_prefill))
-        return [self.next_token(s) for s in batch.seqs]
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        num_decode = sum(1 for s in seqs if not s.is_prefill)
+        assert all(not s.is_prefill for s in seqs[:num_decode]), "decode rows come first"
+        self.batches.append(([s.seq_id for s in seqs], [s.num_scheduled_tokens for s in seqs],
+                             num_decode))
+        return [self.next_token(s) for s in seqs]
 
     def next_token(self, seq: Sequence) -> int:
         # Checks the scheduler's arithmetic: the chunk must lie inside the sequence.
@@ -27,8 +30,8 @@ class FakeRunner:
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> list[Sequence]:
-    batch = scheduler.schedule()
-    finished = scheduler.postprocess(batch.seqs, runner.run(batch))
+    seqs = scheduler.schedule()
+    finished = scheduler.postprocess(seqs, runner.run(seqs))
     scheduler.check_integrity()
     return finished
 

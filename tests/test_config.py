@@ -50,6 +50,7 @@ def test_missing_model_directory_is_a_value_error(tmp_path):
     ("tensor_parallel_size", 0), ("tensor_parallel_size", 9), ("gpu_memory_utilization", 0),
     ("gpu_memory_utilization", 1.5), ("device", "tpu"), ("dtype", "int8"),
     ("attention_backend", "xformers"), ("load_format", "pt"), ("cpu_kvcache_space_gib", 0),
+    ("scheduling_policy", "fifo"),
 ])
 def test_bad_values_name_their_field(config_dir, field, value):
     with pytest.raises(ValueError, match=field):

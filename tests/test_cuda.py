@@ -125,16 +125,16 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
             llm.add_request(prompt, params)
         kinds = set()
         while not llm.is_finished():
-            seqs, is_prefill = llm.scheduler.schedule()
+            seqs = llm.scheduler.schedule()
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                sampled = llm.model_runner.execute_model(seqs, is_prefill)
+                sampled = llm.model_runner.execute_model(seqs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            kinds.add(tuple(sorted({seq.is_prefill for seq in seqs})))
             llm.scheduler.postprocess(seqs, sampled.tolist())
-            kinds.add(is_prefill)
-    assert kinds == {True, False}
+    assert (False,) in kinds and any(True in kind for kind in kinds)  # decode and prefill steps
 
 
 def test_enforce_eager_runs_without_graphs_or_compiled_ops(checkpoints):

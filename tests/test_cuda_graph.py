@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.metadata import AttentionMetadata, attention_context
+from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
 from nanovllm.runner.cuda_graph import (CUDAGraphRunner, DecodeBuffers, block_table_width,
                                         capture_batch_sizes, use_cuda_graphs)
 
@@ -43,10 +43,11 @@ def test_graphs_only_on_cuda_with_a_capturable_backend_and_not_under_enforce_eag
 
 
 def decode_metadata(block_tables: list[list[int]], slots: list[int],
-                    context_lens: list[int]) -> AttentionMetadata:
-    return AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor(slots),
-                             block_tables=torch.tensor(block_tables, dtype=torch.int32),
-                             context_lens=torch.tensor(context_lens, dtype=torch.int32))
+                    context_lens: list[int]) -> ForwardContext:
+    decode = AttentionMetadata(is_prefill=False,
+                               block_tables=torch.tensor(block_tables, dtype=torch.int32),
+                               context_lens=torch.tensor(context_lens, dtype=torch.int32))
+    return ForwardContext(torch.tensor(slots), decode=decode, num_decode_tokens=len(slots))
 
 
 def test_loading_a_batch_pads_its_rows_and_clears_what_the_last_one_left():
@@ -64,8 +65,9 @@ def test_loading_a_batch_pads_its_rows_and_clears_what_the_last_one_left():
     assert buffers.block_tables[:4].tolist() == [[7, -1, -1, -1], [2, -1, -1, -1],
                                                  [-1] * 4, [-1] * 4]
     view = buffers.metadata(4)
-    assert not view.is_prefill and view.block_tables.data_ptr() == buffers.block_tables.data_ptr()
-    assert view.context_lens.shape == (4,)
+    assert view.prefill is None and view.num_decode_tokens == 4
+    assert view.decode.block_tables.data_ptr() == buffers.block_tables.data_ptr()
+    assert view.decode.context_lens.shape == (4,) and view.slot_mapping.shape == (4,)
 
 
 class ReplayEagerly(CUDAGraphRunner):

@@ -5,6 +5,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import Sequence
+from nanovllm.runner.step_inputs import prepare_inputs
 
 from conftest import hf_greedy, hf_model
 
@@ -48,7 +49,7 @@ def test_prefill_logits_match_transformers(checkpoints, shape):
             seq.num_scheduled_tokens = len(prompt)
             seqs.append(seq)
         with torch.inference_mode():
-            ours = runner._forward(*runner.prepare_prefill(seqs))
+            ours = runner._forward(*prepare_inputs(seqs, BLOCK, runner.device))
     with torch.inference_mode():
         theirs = torch.stack([hf_model(str(path))(torch.tensor([p])).logits[0, -1] for p in prompts])
     assert ours.shape == theirs.shape

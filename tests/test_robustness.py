@@ -112,11 +112,11 @@ def test_generate_that_raises_half_way_leaves_the_engine_usable(llm, checkpoints
                                                                   error):
     real_run, calls = llm.model_runner.run, []
 
-    def failing_run(seqs, is_prefill):
+    def failing_run(seqs):
         calls.append(1)
         if len(calls) == 3:
             raise error
-        return real_run(seqs, is_prefill)
+        return real_run(seqs)
 
     monkeypatch.setattr(llm.model_runner, "run", failing_run)
     with pytest.raises(type(error)):

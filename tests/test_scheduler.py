@@ -12,10 +12,10 @@ EOS = 0
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
-                   max_model_len=1024, prefix_caching=True) -> Scheduler:
+                   max_model_len=1024, prefix_caching=True, policy="mixed") -> Scheduler:
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, policy=policy)
 
 
 def add(scheduler: Scheduler, tokens: list[int], max_tokens=4, ignore_eos=False) -> Sequence:
@@ -29,13 +29,54 @@ def test_prefill_runs_before_decode_and_each_decode_step_adds_one_token():
     a = add(sch, [1, 2, 3], max_tokens=3)
     b = add(sch, [4, 5, 6, 7, 8], max_tokens=3)
     step(sch, runner)
-    assert runner.batches[0] == ([a.seq_id, b.seq_id], [3, 5], True)
+    assert runner.batches[0] == ([a.seq_id, b.seq_id], [3, 5], 0)
     assert a.num_completion_tokens == 1 and not a.is_prefill
     step(sch, runner)
-    assert runner.batches[1] == ([a.seq_id, b.seq_id], [1, 1], False)
+    assert runner.batches[1] == ([a.seq_id, b.seq_id], [1, 1], 2)
     run_until_done(sch, runner)
     assert a.completion_token_ids == [1003, 1004, 1005]
     assert a.is_finished and b.is_finished
+
+
+def test_decoding_sequences_get_their_token_while_a_long_prompt_is_chunked_beside_them():
+    sch, runner = make_scheduler(max_num_batched_tokens=8), FakeRunner()
+    a = add(sch, [1, 2, 3], max_tokens=6, ignore_eos=True)
+    b = add(sch, [4, 5], max_tokens=6, ignore_eos=True)
+    step(sch, runner)  # both prompts: 5 tokens
+    long = add(sch, list(range(10, 24)), max_tokens=2)  # 14 tokens arrive while a, b decode
+    for _ in range(3):
+        step(sch, runner)
+    # each step: a and b decode first (2 tokens), the chunk takes the other 6 of the 8
+    assert runner.batches[1:] == [([a.seq_id, b.seq_id, long.seq_id], [1, 1, 6], 2),
+                                  ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 6], 2),
+                                  ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 2], 2)]
+    assert long.num_completion_tokens == 1 and a.num_completion_tokens == 4
+    step(sch, runner)
+    assert runner.batches[-1] == ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 1], 3)
+
+
+def test_prefill_first_stalls_decoding_while_a_prompt_is_chunked():
+    sch, runner = make_scheduler(max_num_batched_tokens=8, policy="prefill_first"), FakeRunner()
+    a = add(sch, [1, 2, 3], max_tokens=6, ignore_eos=True)
+    step(sch, runner)
+    long = add(sch, list(range(10, 24)), max_tokens=2)
+    for _ in range(3):
+        step(sch, runner)
+    # nano-vLLM's order: the prompt's chunks run alone, then everyone decodes
+    assert runner.batches[1:] == [([long.seq_id], [8], 0), ([long.seq_id], [6], 0),
+                                  ([a.seq_id, long.seq_id], [1, 1], 2)]
+
+
+def test_decode_tokens_take_the_budget_first_and_a_prompt_waits_for_what_is_left():
+    sch, runner = make_scheduler(max_num_batched_tokens=3), FakeRunner()
+    seqs = [add(sch, [i + 1], max_tokens=4, ignore_eos=True) for i in range(3)]
+    step(sch, runner)  # three 1-token prompts fill the budget
+    late = add(sch, [9, 9], max_tokens=1)
+    step(sch, runner)  # three decode tokens: nothing left for the prompt
+    assert runner.batches[1] == ([s.seq_id for s in seqs], [1, 1, 1], 3)
+    assert late.status == SequenceStatus.WAITING
+    run_until_done(sch, runner)
+    assert late.num_completion_tokens == 1
 
 
 def test_prefill_batch_respects_max_num_seqs():
@@ -58,7 +99,7 @@ def test_chunked_prefill_schedules_exact_chunks_across_steps():
     step(sch, runner)
     assert long.num_completion_tokens == 1 and not long.is_prefill
     assert [b[1] for b in runner.batches] == [[8], [8], [4]]
-    assert [b[2] for b in runner.batches] == [True, True, True]
+    assert [b[2] for b in runner.batches] == [0, 0, 0]
     run_until_done(sch, runner)
     assert long.completion_token_ids == [1020, 1021]
 
@@ -69,7 +110,7 @@ def test_chunk_shares_the_budget_with_newly_admitted_prompts():
     b = add(sch, [50, 51, 52])
     step(sch, runner)  # a: 8
     step(sch, runner)  # a: last 2, then b: 3
-    assert runner.batches[1] == ([a.seq_id, b.seq_id], [2, 3], True)
+    assert runner.batches[1] == ([a.seq_id, b.seq_id], [2, 3], 0)
 
 
 def test_budget_counts_only_uncached_tokens():
@@ -82,7 +123,7 @@ def test_budget_counts_only_uncached_tokens():
     runner.batches.clear()
     step(sch, runner)
     # second has 12 cached tokens and needs just 1; the rest of the budget goes to third.
-    assert runner.batches[0] == ([second.seq_id, third.seq_id], [1, 5], True)
+    assert runner.batches[0] == ([second.seq_id, third.seq_id], [1, 5], 0)
     assert first.is_finished
 
 
@@ -94,7 +135,7 @@ def test_fully_cached_prompt_schedules_one_token():
     again = add(sch, prompt, max_tokens=2)
     runner.batches.clear()
     step(sch, runner)
-    assert runner.batches[0] == ([again.seq_id], [1], True)
+    assert runner.batches[0] == ([again.seq_id], [1], 0)
     run_until_done(sch, runner)
     assert again.completion_token_ids == [1008, 1009]
 
@@ -162,7 +203,7 @@ def test_a_request_that_can_never_fit_is_refused_before_it_is_queued():
 
 def test_an_idle_scheduler_schedules_nothing():
     sch = make_scheduler()
-    assert sch.schedule() == ([], False)
+    assert sch.schedule() == []
 
 
 def test_scripted_workload_keeps_integrity_and_frees_every_block():

@@ -50,6 +50,17 @@ def never_fits(prompt_len: int, r: dict, w: dict) -> bool:
     return -(-kv_tokens // w["block_size"]) > w["num_blocks"]
 
 
+def check_decode_first(decoding: list[Sequence], seqs: list[Sequence], w: dict) -> None:
+    """Every sequence that was decoding gets its token this step (decode rows first), unless
+    it was preempted or the step's rows ran out."""
+    decode_rows = [s for s in seqs if not s.is_prefill]
+    assert seqs[:len(decode_rows)] == decode_rows
+    assert all(s.num_scheduled_tokens == 1 for s in decode_rows)
+    full = len(decode_rows) == min(w["max_num_seqs"], w["budget"])
+    for seq in decoding:
+        assert seq in decode_rows or seq.status == SequenceStatus.WAITING or full
+
+
 def check_step(scheduler: Scheduler, batch_seqs: list[Sequence], num_tokens: int, w: dict,
                all_seqs: list[Sequence]) -> None:
     scheduler.check_integrity()  # free xor referenced, ref counts, coverage, hash entries
@@ -95,10 +106,12 @@ def test_random_workloads_keep_invariants_and_finish(w):
             if step >= last_arrival:
                 break
             continue
-        batch = scheduler.schedule()
-        num_tokens = sum(s.num_scheduled_tokens for s in batch.seqs)
-        scheduler.postprocess(batch.seqs, runner.run(batch))
-        check_step(scheduler, batch.seqs, num_tokens, w, [s for s, _ in admitted])
+        decoding = [s for s in scheduler.running if not s.is_prefill]
+        seqs = scheduler.schedule()
+        check_decode_first(decoding, seqs, w)
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs)
+        scheduler.postprocess(seqs, runner.run(seqs))
+        check_step(scheduler, seqs, num_tokens, w, [s for s, _ in admitted])
     else:
         raise AssertionError("the workload did not finish: a livelock")
     for seq, r in admitted:

@@ -22,7 +22,8 @@ from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinea
                                     RowParallelLinear)
 from nanovllm.distributed.group import TPGroup, tp_group_scope
 
-from test_qwen3_parity import BLOCK, expected, generate, make_prompts
+from arrivals import mixed_steps, run_with_arrivals
+from test_qwen3_parity import BLOCK, GREEDY, expected, generate, make_prompts
 
 TP2 = dict(tensor_parallel_size=2, kvcache_block_size=BLOCK)
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +116,9 @@ def test_chunked_prefill_and_preemption_match_then_deleting_the_llm_stops_its_wo
     llm = LLM(str(path), num_kvcache_blocks=10, max_num_batched_tokens=24, **TP2)
     assert generate(llm, prompts) == expected(path, prompts)
     assert llm.scheduler.num_preemptions > 0
+    early, late = prompts[:2], prompts[2:5]  # mixed steps: these arrive while those decode
+    tokens, steps = run_with_arrivals(llm, early, late, GREEDY)
+    assert tokens == expected(path, early + late) and mixed_steps(steps) >= 1
     workers = worker_processes(llm)
     del llm
     gc.collect()
@@ -157,7 +161,7 @@ def test_a_step_that_fails_on_rank_0_leaves_the_engine_refusing_to_run(checkpoin
 
     llm = LLM(str(checkpoints["gqa"]), num_kvcache_blocks=32, **TP2)
     worker = worker_processes(llm)[0]
-    llm.model_runner.prepare_prefill = interrupted
+    llm.model_runner.execute_model = interrupted
     with pytest.raises(Interrupted):
         generate(llm, [[1, 2, 3]])
     with pytest.raises(RuntimeError, match="out of step"):

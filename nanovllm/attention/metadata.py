@@ -1,5 +1,6 @@
-"""Per-step attention metadata: the model runner fills it, the attention layers read it,
-inside `attention_context(...)` only (a failed step cannot leak it into the next)."""
+"""Per-step attention metadata: the model runner fills a ForwardContext, the attention
+layers and the LM head read it, inside `attention_context(...)` only (a failed step
+cannot leak it into the next)."""
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +10,8 @@ from nanovllm.utils import Scoped
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Tensors live on the model's device; the lists are host copies for CPU-side loops.
+    """What a backend's prefill or decode reads. Tensors live on the model's device; the
+    lists are host copies for CPU-side loops.
 
     Prefill (a chunk of each sequence; keys = cached prefix + the chunk):
 
@@ -20,7 +22,7 @@ class AttentionMetadata:
     """
 
     is_prefill: bool
-    slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new K/V; -1 = skip
+    slot_mapping: torch.Tensor | None = None   # [num_tokens] cache slot of each new K/V; -1 = skip
     block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] (-1 padded); None: no prefix
     # prefill
     cu_seqlens_q: torch.Tensor | None = None   # [num_seqs + 1] int32
@@ -33,11 +35,28 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None   # [num_seqs] int32
 
 
-_current: Scoped[AttentionMetadata | None] = Scoped(None)
+@dataclass(slots=True)
+class ForwardContext:
+    """One forward's batch: decode rows first (one token each), then prefill chunks.
+
+        tokens   [ d0 d1 .. d(n-1) | chunk of p0 ...... | chunk of p1 .... ]
+                   decode            prefill (cu_seqlens_q counts from its start)
+
+    A pure decode step (what CUDA graphs capture) has no `prefill`, a pure prefill step
+    no `decode`."""
+
+    slot_mapping: torch.Tensor                   # [num_tokens] every new K/V's slot; -1 = skip
+    decode: AttentionMetadata | None = None      # rows [0, num_decode_tokens)
+    prefill: AttentionMetadata | None = None     # the rows after them
+    num_decode_tokens: int = 0
+    logits_indices: torch.Tensor | None = None   # [num_seqs] each sequence's last row; None: all
+
+
+_current: Scoped[ForwardContext | None] = Scoped(None)
 attention_context = _current.scope
 
 
-def get_context() -> AttentionMetadata:
+def get_context() -> ForwardContext:
     if _current.value is None:
         raise RuntimeError("attention metadata is only available inside attention_context()")
     return _current.value

@@ -1,20 +1,23 @@
-"""Decides what runs each step: a prefill batch if any prompt work can run, else one
-decode token for every running sequence; and, after the step, which sequences end.
+"""Decides what runs each step and, after it, which sequences end.
 
-Prefill runs under a token budget (`max_num_batched_tokens`), first come first served;
-a prompt longer than what is left of it is prefilled in chunks over several steps:
+One token budget per step (`max_num_batched_tokens`, vLLM v1's rule): every running
+sequence past its prompt gets its next token first, then prompt chunks fill what is
+left, the mid-prefill sequence first, then waiting ones in order. A long prompt is
+prefilled over several steps while the others keep decoding:
 
-    step 1: [ chunk 1 (budget) ]
-    step 2:                    [ chunk 2 ]
-    step 3:                               [ last chunk ] -> first completion token
+    step 1: [ d d d d | prompt A, chunk 1 ............ ]      budget = 16 tokens
+    step 2: [ d d d d | prompt A, chunk 2 ...| prompt B ]
+    step 3: [ d d d d d | B's rest | ... ]                    A decodes from here on
 
 Only the sequence admitted last in a step can be left part-way, so at most one is
-mid-prefill between steps, and it is always the newest in `running`. A decode token
-that needs a block when none is free preempts the newest running sequence: its blocks
-are freed and it goes back to the front of the waiting queue, to be recomputed.
+mid-prefill between steps, and it is the newest in `running`. A decode token that needs
+a block when none is free preempts the newest running sequence: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed. The
+"prefill_first" policy (nano-vLLM's, for comparison) runs a prefill step whenever
+prompt work can run, and decodes only when none can.
 """
 from collections import deque
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
@@ -31,20 +34,16 @@ class StopStringChecker(Protocol):
         """Forget a sequence that has ended."""
 
 
-class ScheduledBatch(NamedTuple):
-    seqs: list[Sequence]
-    is_prefill: bool
-
-
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 stop_strings: StopStringChecker | None = None):
+                 stop_strings: StopStringChecker | None = None, policy: str = "mixed"):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.stop_strings = stop_strings  # needed only by requests with stop strings
+        self.policy = policy              # "mixed" (decode first) or "prefill_first"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0  # statistics
@@ -75,22 +74,45 @@ class Scheduler:
 
     # -- schedule -----------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch:
-        seqs = self._schedule_prefill()
-        if seqs:
-            return ScheduledBatch(seqs, is_prefill=True)
-        seqs = self._schedule_decode()  # nothing at all when idle
+    def schedule(self) -> list[Sequence]:
+        """This step's sequences, decode rows first; empty when idle."""
+        if self.policy == "prefill_first":  # nano-vLLM's: decode only when no prompt work can run
+            seqs = self._schedule_prefill(self.max_num_batched_tokens) or self._schedule_decode()
+        else:
+            seqs = self._schedule_decode()
+            seqs += self._schedule_prefill(self.max_num_batched_tokens - len(seqs))
         if not seqs and not self.is_finished():
             raise RuntimeError("scheduler found no runnable sequence although requests are pending")
-        return ScheduledBatch(seqs, is_prefill=False)
+        return seqs
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        budget = self.max_num_batched_tokens
+    def _schedule_decode(self) -> list[Sequence]:
+        """One token for each running sequence past its prompt, oldest first; when one needs
+        a block and none is free, the newest running sequence is preempted."""
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
         batch: list[Sequence] = []
-        if self.running and self.running[-1].is_prefill:
-            seq = self.running[-1]
+        for seq in list(self.running):
+            if len(batch) == limit:
+                break
+            if seq.is_prefill or seq.status is not SequenceStatus.RUNNING:
+                continue  # mid-prefill, or preempted meanwhile
+            while not self.block_manager.can_append(seq):
+                victim = self.running[-1]  # newer than seq, or seq itself: never in batch
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                batch.append(seq)
+        return batch
+
+    def _schedule_prefill(self, budget: int) -> list[Sequence]:
+        """Prompt chunks within `budget` tokens: the mid-prefill sequence first, then
+        waiting ones in order, each after its prefix-cache lookup."""
+        batch = [seq for seq in self.running if seq.is_prefill]
+        for seq in batch:
             budget -= self._schedule_chunk(seq, budget)
-            batch.append(seq)
+        batch = [seq for seq in batch if seq.num_scheduled_tokens]
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # Look the prefix up first: the budget is spent only on uncached tokens.
@@ -107,29 +129,12 @@ class Scheduler:
 
     @staticmethod
     def _schedule_chunk(seq: Sequence, budget: int) -> int:
-        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, max(0, budget))
         return seq.num_scheduled_tokens
 
-    def _schedule_decode(self) -> list[Sequence]:
-        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
-        batch: list[Sequence] = []
-        while self.running and len(batch) < limit:
-            seq = self.running.popleft()
-            assert not seq.is_prefill, "a mid-prefill sequence must be scheduled by prefill"
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
-                self.block_manager.may_append(seq)
-                seq.num_scheduled_tokens = 1
-                batch.append(seq)
-        self.running.extendleft(reversed(batch))
-        return batch
-
     def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it goes back to the front of the queue."""
+        self.running.remove(seq)  # the newest: at the end, found at once
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING

@@ -19,9 +19,16 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A mixed batch's decode rows and prefill chunks go to the backend's decode and
+        prefill, after every new K/V (decode's and the chunks') is in the cache."""
         ctx = get_context()
         if self.k_cache.numel():  # no cache yet during the memory-profiling warmup
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        if ctx.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale)
+        n = ctx.num_decode_tokens
+        if ctx.decode is not None:
+            decoded = self.backend.decode(q[:n], self.k_cache, self.v_cache, ctx.decode, self.scale)
+            if ctx.prefill is None:
+                return decoded
+        prefilled = self.backend.prefill(q[n:], k[n:], v[n:], self.k_cache, self.v_cache,
+                                         ctx.prefill, self.scale)
+        return prefilled if ctx.decode is None else torch.cat((decoded, prefilled))

@@ -40,8 +40,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     gathered on rank 0, the only rank that samples."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        context = get_context()
-        if context.is_prefill:
-            hidden_states = hidden_states[context.cu_seqlens_q[1:] - 1]
+        indices = get_context().logits_indices
+        if indices is not None:
+            hidden_states = hidden_states[indices]
         # [num_seqs, vocab / N] on each rank -> [num_seqs, vocab] on rank 0
         return self.tp_group.gather_last_dim(F.linear(hidden_states, self.weight))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.attention.metadata import AttentionMetadata, attention_context
+from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
 
 CAPTURABLE_BACKENDS = frozenset({"triton", "flash_attn"})
 MAX_CAPTURED_BATCH = 512
@@ -64,21 +64,22 @@ class DecodeBuffers:
                    block_tables=index(rows, width, value=-1, dt=torch.int32),
                    outputs=torch.zeros(rows, hidden_size, dtype=dtype, device=device))
 
-    def metadata(self, size: int) -> AttentionMetadata:
-        """Decode metadata viewing the first `size` rows (what a graph captures)."""
-        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:size],
-                                 block_tables=self.block_tables[:size],
-                                 context_lens=self.context_lens[:size])
+    def metadata(self, size: int) -> ForwardContext:
+        """A decode step viewing the first `size` rows (what a graph captures)."""
+        decode = AttentionMetadata(is_prefill=False, block_tables=self.block_tables[:size],
+                                   context_lens=self.context_lens[:size])
+        return ForwardContext(self.slot_mapping[:size], decode=decode, num_decode_tokens=size)
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor,
-             metadata: AttentionMetadata, size: int) -> None:
-        """Copy a batch of n <= size rows in; rows n .. size-1 become padding."""
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+             size: int) -> None:
+        """Copy a decode batch of n <= size rows in; rows n .. size-1 become padding."""
+        metadata = ctx.decode
         n, width = metadata.block_tables.shape
         assert n <= size and width <= self.block_tables.shape[1], "batch exceeds the buffers"
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:size].fill_(-1)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping)
         self.context_lens[:size].zero_()
         self.context_lens[:n].copy_(metadata.context_lens)
         self.block_tables[:size].fill_(-1)
@@ -142,12 +143,12 @@ class CUDAGraphRunner:
         b.outputs[:size] = self.model(b.input_ids[:size], b.positions[:size])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            metadata: AttentionMetadata) -> torch.Tensor:
+            ctx: ForwardContext) -> torch.Tensor:
         """The hidden states [n, hidden_size] of a decode batch of n <= the largest
         captured size: a view of the output buffer, valid until the next replay."""
         n = input_ids.shape[0]
         size = self.batch_sizes[bisect_left(self.batch_sizes, n)]
-        self.buffers.load(input_ids, positions, metadata, size)
+        self.buffers.load(input_ids, positions, ctx, size)
         self.graphs[size].replay()
         return self.buffers.outputs[:n]
 

@@ -1,25 +1,18 @@
 """ModelRunner: builds the model and its KV cache on a device, turns each scheduled
-batch into input tensors and attention metadata, runs the model and samples.
-
-Slot mapping (where each new token's K/V goes), for block_size 4:
-
-    block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
-    positions     0  1  2  3 | 4  5
-    slots        28 29 30 31 | 8  9
+batch into input tensors (step_inputs.py), runs the model and samples.
 
 With tensor parallelism, one ModelRunner per rank (nanovllm/distributed): rank 0 drives
-each step with `call("run", seqs, is_prefill)`, which runs it on every rank; only rank 0
+each step with `call("run", seqs)`, which runs it on every rank; only rank 0
 samples.
 """
 import weakref
-from itertools import chain
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
-from nanovllm.attention import AttentionMetadata, attention_context, select_backend
+from nanovllm.attention import ForwardContext, attention_context, select_backend
 from nanovllm.compilation import compile_scope
 from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
@@ -31,6 +24,7 @@ from nanovllm.runner.kv_cache import (bind_kv_cache, bytes_per_block, cuda_memor
                                       kv_cache_budget, kv_cache_shape, num_blocks_within,
                                       untracked_cuda_memory)
 from nanovllm.runner.loader import load_dummy_weights, load_model
+from nanovllm.runner.step_inputs import prepare_inputs
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
@@ -158,7 +152,7 @@ class ModelRunner:
             seq.num_scheduled_tokens = max_len
             # Slots are computed but never written: there is no KV cache yet.
             seq.block_table = [0] * seq.num_blocks
-        self._forward(*self.prepare_prefill(seqs))
+        self._forward(*prepare_inputs(seqs, self.block_size, self.device))
         if self.rank == 0:
             self._warmup_sampler()
         torch.cuda.synchronize(self.device)
@@ -184,62 +178,6 @@ class ModelRunner:
 
     # -- a step -------------------------------------------------------------------
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Inputs for each sequence's chunk: tokens [num_cached, num_cached + num_scheduled)."""
-        starts = [seq.num_cached_tokens for seq in seqs]
-        seqlens_q = [seq.num_scheduled_tokens for seq in seqs]
-        seqlens_k = [start + n for start, n in zip(starts, seqlens_q)]
-        input_ids = list(chain.from_iterable(
-            seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, seqlens_k)))
-        lens_q = torch.tensor(seqlens_q)
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), lens_q)  # [num_tokens]
-        cu_seqlens_q = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(lens_q, 0, out=cu_seqlens_q[1:])
-        cu_seqlens_k = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(seqlens_k), 0, out=cu_seqlens_k[1:])
-        # position of each token = its sequence's start + its offset in the chunk
-        offsets = torch.arange(len(input_ids)) - cu_seqlens_q[:-1].long()[seq_index]
-        positions = torch.tensor(starts)[seq_index] + offsets
-        block_tables = self._block_tables(seqs)
-        slot_mapping = self._slots(block_tables, seq_index, positions)
-        has_prefix = any(starts)
-        metadata = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables) if has_prefix else None,
-            cu_seqlens_q=self._to_device(cu_seqlens_q),
-            cu_seqlens_k=self._to_device(cu_seqlens_k),
-            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-            seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-        return (self._to_device(torch.tensor(input_ids)), self._to_device(positions), metadata)
-
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Inputs for one token per sequence: the last one, at position len(seq) - 1."""
-        positions = torch.tensor([len(seq) - 1 for seq in seqs])
-        block_tables = self._block_tables(seqs)
-        slot_mapping = self._slots(block_tables, torch.arange(len(seqs)), positions)
-        metadata = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables),
-            context_lens=self._to_device((positions + 1).int()))
-        input_ids = torch.tensor([seq.last_token for seq in seqs])
-        return self._to_device(input_ids), self._to_device(positions), metadata
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[num_seqs, max_blocks] int32, padded with -1."""
-        width = max(len(seq.block_table) for seq in seqs)
-        return torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
-                            dtype=torch.int32)
-
-    def _slots(self, block_tables: torch.Tensor, seq_index: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        blocks = block_tables[seq_index, positions // self.block_size].long()
-        return blocks * self.block_size + positions % self.block_size
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return to_device(tensor, self.device)
-
     def call(self, method: str, *args) -> object:
         """Rank 0: run `method(*args)` on every rank; returns rank 0's result. Raises
         RuntimeError if a worker has died."""
@@ -247,27 +185,27 @@ class ModelRunner:
             return getattr(self, method)(*args)
         return self.workers.call(getattr(self, method), method, args)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def run(self, seqs: list[Sequence]) -> list[int] | None:
         """One step: a token id per sequence on rank 0 (None on other ranks)."""
-        token_ids = self.execute_model(seqs, is_prefill)
+        token_ids = self.execute_model(seqs)
         # The step's one host sync: on CUDA everything before it only queued work.
         return None if token_ids is None else token_ids.tolist()
 
     @torch.inference_mode()
-    def execute_model(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+    def execute_model(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """A step's work, queued on the device: the sampled ids [len(seqs)] on rank 0."""
-        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        logits = self._forward(*prepare(seqs))
+        logits = self._forward(*prepare_inputs(seqs, self.block_size, self.device))
         if self.rank != 0:
             return None
         return self.sample(seqs, logits)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metadata: AttentionMetadata) -> torch.Tensor | None:
+                 ctx: ForwardContext) -> torch.Tensor | None:
+        """Logits of each sequence's last row; a pure decode step replays a CUDA graph."""
         graphs = self.graph_runner
-        with attention_context(metadata):
-            if not metadata.is_prefill and graphs is not None and graphs.can_run(len(input_ids)):
-                hidden_states = graphs.run(input_ids, positions, metadata)
+        with attention_context(ctx):
+            if ctx.prefill is None and graphs is not None and graphs.can_run(len(input_ids)):
+                hidden_states = graphs.run(input_ids, positions, ctx)
             else:
                 hidden_states = self.model(input_ids, positions)
             return self.model.compute_logits(hidden_states)

@@ -1,6 +1,6 @@
 """The whole engine on the `triton` backend against Hugging Face `transformers`: greedy
 tokens identical, through prefill without a prefix, a prefix-cache hit and chunked
-prefill (both paged prefill), and decode."""
+prefill (both paged prefill), decode, and mixed steps (decode rows beside chunks)."""
 import pytest
 import torch
 
@@ -34,3 +34,19 @@ def test_triton_backend_greedy_matches_transformers(checkpoints):
         rest = generate(llm, prompts[1:])
         assert block_manager.num_cache_hit_blocks - hits_before >= 2
     assert first + rest == [hf_greedy(str(path), tuple(p), GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.cuda
+@requires_kernels
+def test_triton_backend_mixed_steps_match_transformers(checkpoints):
+    from arrivals import mixed_steps, run_with_arrivals
+
+    path = checkpoints["gqa"]
+    g = torch.Generator().manual_seed(12)
+    early = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 21)]
+    late = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 6)]
+    with LLM(str(path), attention_backend="triton", device=DEVICE, kvcache_block_size=BLOCK,
+             num_kvcache_blocks=32, max_num_batched_tokens=24) as llm:
+        tokens, steps = run_with_arrivals(llm, early, late, GREEDY)
+    assert tokens == [hf_greedy(str(path), tuple(p), GREEDY.max_tokens) for p in early + late]
+    assert mixed_steps(steps) >= 1

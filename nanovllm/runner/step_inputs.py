@@ -1,0 +1,76 @@
+"""A scheduled batch -> the model's input tensors and the step's ForwardContext.
+
+Every sequence computes its tokens [num_cached_tokens, num_cached_tokens +
+num_scheduled_tokens): a decoding one just its last token, a prefilling one a chunk of
+its prompt. The scheduler puts decode rows first. Slot mapping (where each new token's
+K/V goes), for block_size 4:
+
+    block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
+    positions     0  1  2  3 | 4  5
+    slots        28 29 30 31 | 8  9
+"""
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.attention import AttentionMetadata, ForwardContext
+from nanovllm.core.sequence import Sequence
+from nanovllm.runner.device import to_device
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    context: ForwardContext
+
+
+def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) -> StepInputs:
+    num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
+    decode, prefill = seqs[:num_decode], seqs[num_decode:]
+    input_ids = [seq.last_token for seq in decode]
+    positions = [len(seq) - 1 for seq in decode]
+    for seq in prefill:
+        start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+    lens_q = [1] * num_decode + [seq.num_scheduled_tokens for seq in prefill]
+    block_tables = _block_tables(seqs)
+    positions_t = torch.tensor(positions)
+    rows = torch.arange(len(seqs)) if not prefill else \
+        torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens_q))
+    slots = block_tables[rows, positions_t // block_size].long() * block_size \
+        + positions_t % block_size
+    ctx = ForwardContext(to_device(slots, device), num_decode_tokens=num_decode)
+    if decode:
+        ctx.decode = AttentionMetadata(
+            is_prefill=False, block_tables=to_device(block_tables[:num_decode], device),
+            context_lens=to_device(positions_t[:num_decode].int() + 1, device))
+    if prefill:
+        ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:], device)
+        ctx.logits_indices = to_device(torch.tensor(lens_q).cumsum(0) - 1, device)
+    return StepInputs(to_device(torch.tensor(input_ids), device), to_device(positions_t, device),
+                      ctx)
+
+
+def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,
+                      device: torch.device) -> AttentionMetadata:
+    """Each chunk's queries over its keys (the cached prefix + the chunk); the block
+    tables only when some chunk has a prefix to read from the cache."""
+    seqlens_q = [seq.num_scheduled_tokens for seq in seqs]
+    seqlens_k = [seq.num_cached_tokens + n for seq, n in zip(seqs, seqlens_q)]
+    cu_seqlens = torch.zeros(2, len(seqs) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor([seqlens_q, seqlens_k]), 1, out=cu_seqlens[:, 1:])
+    cu_seqlens = to_device(cu_seqlens, device)
+    has_prefix = any(seq.num_cached_tokens for seq in seqs)
+    return AttentionMetadata(
+        is_prefill=True, block_tables=to_device(block_tables, device) if has_prefix else None,
+        cu_seqlens_q=cu_seqlens[0], cu_seqlens_k=cu_seqlens[1],
+        max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+
+
+def _block_tables(seqs: list[Sequence]) -> torch.Tensor:
+    """[num_seqs, max_blocks] int32, padded with -1."""
+    width = max(len(seq.block_table) for seq in seqs)
+    return torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
+                        dtype=torch.int32)
