@@ -1,18 +1,7 @@
-"""The KV cache: its shape, how many blocks fit, and binding it to the attention layers.
+"""The KV cache: its shape, how many blocks fit (the CUDA arithmetic in kv_cache_budget;
+README, "CUDA", says why), and binding it to the attention layers.
 
     kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (K, V)
-
-The CUDA budget in bytes, from a profile taken after the warmup:
-
-    within our cap   gpu_memory_utilization * total - peak - graph_pool
-    actually free    free - (peak - current) - graph_pool
-    budget           max(0, min(within our cap, actually free))
-
-`peak` and `current` are this process's own use (PyTorch's reserved memory plus what
-appeared outside it since the runner started: NCCL buffers, kernels), so `peak - current`
-is the activation memory it will need again. Other processes' memory only lowers `free`:
-it can shrink the cache, never make the arithmetic negative. The CUDA context (there
-before the runner starts) is left to gpu_memory_utilization's headroom.
 """
 import math
 from typing import NamedTuple
@@ -32,7 +21,9 @@ class MemoryProfile(NamedTuple):
 
 
 def kv_cache_budget(p: MemoryProfile, gpu_memory_utilization: float) -> int:
-    """Bytes the KV cache may take (see the module docstring); 0 when nothing is left."""
+    """Bytes the KV cache may take; 0 when nothing is left. `peak - current` is activation
+    memory needed again; other processes' memory only lowers `free`, so it can shrink the
+    cache but never make the arithmetic negative."""
     within_cap = gpu_memory_utilization * p.total - p.peak - p.graph_pool
     actually_free = p.free - (p.peak - p.current) - p.graph_pool
     return max(0, int(min(within_cap, actually_free)))

@@ -23,7 +23,7 @@ from nanovllm.runner.device import default_dtype, resolve_device, resolve_dtype,
 from nanovllm.runner.kv_cache import (bind_kv_cache, bytes_per_block, cuda_memory_profile,
                                       kv_cache_budget, kv_cache_shape, num_blocks_within,
                                       untracked_cuda_memory)
-from nanovllm.runner.loader import load_dummy_weights, load_model
+from nanovllm.models.loader import load_dummy_weights, load_model
 from nanovllm.runner.step_inputs import prepare_inputs
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler
