@@ -9,6 +9,10 @@ decoding, --steps decode steps are timed. The model's forward and LM head are wr
 with timers, so
 
     host = step - forward       (median ms over the timed steps)
+
+and so are the parts: schedule (Scheduler.schedule), inputs (the step's tensors),
+sampling (the sampling metadata), sampler (the sampler itself: device work on a GPU)
+and post (Scheduler.postprocess).
 """
 import argparse
 import statistics
@@ -18,8 +22,11 @@ from pathlib import Path
 
 import torch
 
+import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
 from nanovllm.models.demo import build_tiny_qwen3, demo_checkpoint
+
+PARTS = ("schedule", "inputs", "sampling", "sampler", "post")
 
 
 def timed(fn, totals: list[float]):
@@ -32,12 +39,26 @@ def timed(fn, totals: list[float]):
     return wrapper
 
 
-def measure(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, float]:
-    """(median step ms, median host ms) over `steps` decode steps of `batch` sequences."""
+def wrap_parts(llm: LLM) -> dict[str, list[float]]:
+    """Timers around each part of a step (instance attributes and module globals)."""
+    totals = {name: [0.0] for name in PARTS}
+    llm.scheduler.schedule = timed(llm.scheduler.schedule, totals["schedule"])
+    llm.scheduler.postprocess = timed(llm.scheduler.postprocess, totals["post"])
+    sampler = llm.model_runner.sampler
+    sampler.forward = timed(sampler.forward, totals["sampler"])
+    model_runner.prepare_inputs = timed(model_runner.prepare_inputs, totals["inputs"])
+    model_runner.build_sampling_metadata = timed(model_runner.build_sampling_metadata,
+                                                 totals["sampling"])
+    return totals
+
+
+def measure(llm: LLM, batch: int, context: int, steps: int) -> dict[str, float]:
+    """Median ms of the step, its host work and each part over `steps` decode steps."""
     model = llm.model_runner.model
     forward = [0.0]
     model.forward = timed(model.forward, forward)
     model.compute_logits = timed(model.compute_logits, forward)
+    parts = wrap_parts(llm)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.6, max_tokens=steps + 8, ignore_eos=True)
     for _ in range(batch):
@@ -46,19 +67,22 @@ def measure(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, floa
         out = llm.step()
         if out.num_decode_tokens == batch and not out.num_prefill_tokens:
             break
-    step_ms, host_ms = [], []
+    samples: dict[str, list[float]] = {name: [] for name in ("step", "host", *PARTS)}
     for _ in range(steps):
         forward[0] = 0.0
+        for total in parts.values():
+            total[0] = 0.0
         start = time.perf_counter()
         out = llm.step()
         elapsed = time.perf_counter() - start
         assert out.num_decode_tokens == batch and not out.num_prefill_tokens
-        step_ms.append(elapsed * 1e3)
-        host_ms.append((elapsed - forward[0]) * 1e3)
+        samples["step"].append(elapsed * 1e3)
+        samples["host"].append((elapsed - forward[0]) * 1e3)
+        for name, total in parts.items():
+            samples[name].append(total[0] * 1e3)
     while not llm.is_finished():
         llm.step()
-    del model.forward, model.compute_logits
-    return statistics.median(step_ms), statistics.median(host_ms)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
@@ -76,14 +100,14 @@ def main() -> None:
                                     num_kv_heads=1, head_dim=16, intermediate_size=32)
         else:
             path = demo_checkpoint()
-        with LLM(str(path), device="cpu", max_num_seqs=max(args.batch), kvcache_block_size=16,
-                 max_model_len=args.context + args.steps + 64) as llm:
-            print(f"{args.model} model, {args.threads} thread(s), context {args.context}; "
-                  f"median ms per decode step")
-            print(f"{'batch':>5} {'step':>8} {'host':>8}")
-            for batch in args.batch:
-                step, host = measure(llm, batch, args.context, args.steps)
-                print(f"{batch:>5} {step:>8.3f} {host:>8.3f}")
+        print(f"{args.model} model, {args.threads} thread(s), context {args.context}; "
+              f"median ms per decode step")
+        print(f"{'batch':>5} " + " ".join(f"{name:>8}" for name in ("step", "host", *PARTS)))
+        for batch in args.batch:  # a fresh engine each: the wrappers are its own
+            with LLM(str(path), device="cpu", max_num_seqs=batch, kvcache_block_size=16,
+                     max_model_len=args.context + args.steps + 64) as llm:
+                r = measure(llm, batch, args.context, args.steps)
+            print(f"{batch:>5} " + " ".join(f"{r[n]:>8.3f}" for n in ("step", "host", *PARTS)))
 
 
 if __name__ == "__main__":

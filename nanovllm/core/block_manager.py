@@ -121,19 +121,20 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token at position len(seq) - 1 has (or can get) a slot."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+        return len(seq.block_table) * self.block_size >= seq.num_tokens or bool(self.free_block_ids)
 
     def may_append(self, seq: Sequence) -> None:
-        if len(seq.block_table) < seq.num_blocks:
+        if len(seq.block_table) * self.block_size < seq.num_tokens:
             seq.block_table.append(self._take_free_block())
 
     # -- after a step -------------------------------------------------------------
 
     def cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Hash seq's blocks that became full when tokens [start, end) got their KV."""
-        if not self.enable_prefix_caching:
+        first, stop = start // self.block_size, end // self.block_size
+        if not self.enable_prefix_caching or first == stop:
             return
-        for i in range(start // self.block_size, end // self.block_size):
+        for i in range(first, stop):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue  # reused from the cache, already hashed

@@ -79,8 +79,12 @@ class Scheduler:
         if self.policy == "prefill_first":  # nano-vLLM's: decode only when no prompt work can run
             seqs = self._schedule_prefill(self.max_num_batched_tokens) or self._schedule_decode()
         else:
+            preemptions = self.num_preemptions
             seqs = self._schedule_decode()
-            seqs += self._schedule_prefill(self.max_num_batched_tokens - len(seqs))
+            # After a preemption nothing new is admitted this step (as vLLM v1): what was
+            # just freed would otherwise go to a prompt the next decode step preempts again.
+            admit = self.num_preemptions == preemptions
+            seqs += self._schedule_prefill(self.max_num_batched_tokens - len(seqs), admit)
         if not seqs and not self.is_finished():
             raise RuntimeError("scheduler found no runnable sequence although requests are pending")
         return seqs
@@ -106,14 +110,14 @@ class Scheduler:
                 batch.append(seq)
         return batch
 
-    def _schedule_prefill(self, budget: int) -> list[Sequence]:
+    def _schedule_prefill(self, budget: int, admit: bool = True) -> list[Sequence]:
         """Prompt chunks within `budget` tokens: the mid-prefill sequence first, then
-        waiting ones in order, each after its prefix-cache lookup."""
+        (if `admit`) waiting ones in order, each after its prefix-cache lookup."""
         batch = [seq for seq in self.running if seq.is_prefill]
         for seq in batch:
             budget -= self._schedule_chunk(seq, budget)
         batch = [seq for seq in batch if seq.num_scheduled_tokens]
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # Look the prefix up first: the budget is spent only on uncached tokens.
             cached_blocks = self.block_manager.get_cached_blocks(seq)
@@ -149,14 +153,14 @@ class Scheduler:
         finished = []
         for seq, token_id in zip(seqs, token_ids, strict=True):
             start = seq.num_cached_tokens
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.cache_blocks(seq, start, seq.num_cached_tokens)
-            if seq.num_cached_tokens < len(seq):
+            self.block_manager.cache_blocks(seq, start, end)
+            if end < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end: no token yet
             seq.is_prefill = False
             seq.append_token(token_id)
-            reason = self._finish_reason(seq)
+            reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -164,21 +168,22 @@ class Scheduler:
             self.running = deque(s for s in self.running if not s.is_finished)
         return finished
 
-    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Why `seq` ends with its newest token, if it does: the one place that decides.
         A stop token, then a stop string, outrank the length cap (vLLM's order); neither
         counts among the first min_tokens tokens (the sampler does not draw stop tokens
         there either)."""
         params = seq.sampling_params
-        past_min = seq.num_completion_tokens > params.min_tokens
-        if past_min and seq.last_token in seq.stop_token_ids:
+        num_completion = seq.num_tokens - seq.num_prompt_tokens
+        past_min = num_completion > params.min_tokens
+        if past_min and token_id in seq.stop_token_ids:
             return FinishReason.STOP
         if params.stop:  # fed every step, so the search sees only the newest text
             text = self.stop_strings.check(seq)
             if past_min and text is not None:
                 seq.stop_text = text
                 return FinishReason.STOP
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if num_completion >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -28,7 +28,7 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
     num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
     decode, prefill = seqs[:num_decode], seqs[num_decode:]
     input_ids = [seq.last_token for seq in decode]
-    positions = [len(seq) - 1 for seq in decode]
+    positions = [seq.num_tokens - 1 for seq in decode]
     for seq in prefill:
         start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
         input_ids += seq.token_ids[start:end]
