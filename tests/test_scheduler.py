@@ -161,21 +161,6 @@ def test_preemption_picks_the_newest_running_sequence_and_it_completes_later():
     assert sch.block_manager.num_free_blocks == 4
 
 
-def test_nothing_new_is_admitted_in_a_step_that_preempted():
-    sch, runner = make_scheduler(num_blocks=4, max_num_batched_tokens=16), FakeRunner()
-    a = add(sch, [1, 2, 3, 4], max_tokens=7, ignore_eos=True)
-    b = add(sch, [5, 6, 7, 8], max_tokens=7, ignore_eos=True)
-    for _ in range(2):
-        step(sch, runner)
-    c = add(sch, [9], max_tokens=1)  # one block: none is free until b is preempted
-    for _ in range(4):
-        step(sch, runner)
-    assert b.status == SequenceStatus.WAITING and sch.block_manager.num_free_blocks == 1
-    assert runner.batches[-1] == ([a.seq_id], [1], 1) and c.status == SequenceStatus.WAITING
-    run_until_done(sch, runner)
-    assert c.num_completion_tokens == 1
-
-
 def test_a_sequence_alone_that_cannot_grow_preempts_itself_rather_than_hang():
     sch, runner = make_scheduler(num_blocks=2), FakeRunner()
     a = add(sch, [1, 2, 3, 4], max_tokens=5, ignore_eos=True)  # 8 tokens of KV: 2 blocks
