@@ -15,4 +15,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .gpu_deps ]; then
     export PYTHONPATH="$PYTHONPATH:$PWD/.gpu_deps"
 fi
-exec "${PYTHON:-$(command -v python || command -v python3)}" scripts/gpu_check.py "$@"
+# The first interpreter that imports torch (an image's torch may live behind python3 only).
+if [ -z "${PYTHON:-}" ]; then
+    for candidate in python3 python; do
+        if command -v "$candidate" >/dev/null && "$candidate" -c "import torch" 2>/dev/null; then
+            PYTHON=$(command -v "$candidate")
+            break
+        fi
+    done
+fi
+exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"

@@ -20,12 +20,15 @@ class MemoryProfile(NamedTuple):
     graph_pool: int  # still to come: the CUDA graphs' pool (0 without graphs)
 
 
+SAFETY_MARGIN = 256 * 2**20  # allocator fragmentation: a cache sized to the byte can OOM
+
+
 def kv_cache_budget(p: MemoryProfile, gpu_memory_utilization: float) -> int:
-    """Bytes the KV cache may take; 0 when nothing is left. `peak - current` is activation
-    memory needed again; other processes' memory only lowers `free`, so it can shrink the
-    cache but never make the arithmetic negative."""
-    within_cap = gpu_memory_utilization * p.total - p.peak - p.graph_pool
-    actually_free = p.free - (p.peak - p.current) - p.graph_pool
+    """Bytes the KV cache may take, SAFETY_MARGIN kept free; 0 when nothing is left.
+    `peak - current` is activation memory needed again; other processes' memory only
+    lowers `free`, so it can shrink the cache but never make the arithmetic negative."""
+    within_cap = gpu_memory_utilization * p.total - p.peak - p.graph_pool - SAFETY_MARGIN
+    actually_free = p.free - (p.peak - p.current) - p.graph_pool - SAFETY_MARGIN
     return max(0, int(min(within_cap, actually_free)))
 
 
