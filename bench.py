@@ -42,17 +42,80 @@ class Preset:
     workload: dict
 
 
+# Published config.json files (transformers-4 keys, as the checkpoints carry them).
+LLAMA3_2_1B_CONFIG = {  # meta-llama/Llama-3.2-1B
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 128256,
+}
+QWEN2_5_0_5B_CONFIG = {  # Qwen/Qwen2.5-0.5B
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+    "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+    "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 24,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_mrope": False, "use_sliding_window": False, "vocab_size": 151936,
+}
+MISTRAL_7B_V0_3_CONFIG = {  # mistralai/Mistral-7B-v0.3
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 32768,
+}
+QWEN3_30B_A3B_CONFIG = {  # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+# A family's architecture shrunk to ~5M parameters (float32): per-step overhead and
+# batching dominate, the home ground of continuous batching. Every family's cpu-small
+# has this shape; Llama keeps its 131072 positions (its RoPE scaling starts at 8192).
+CPU_SMALL_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       vocab_size=4096, max_position_embeddings=4096, torch_dtype="float32",
+                       bos_token_id=0, eos_token_id=1)
+CPU_SMALL_WORKLOAD = {"num_seqs": 128, "min_input_len": 16, "max_input_len": 256,
+                      "min_output_len": 16, "max_output_len": 256}
+
+
+def cpu_small(config: dict, **overrides) -> Preset:
+    return Preset(dict(config, **CPU_SMALL_SHAPE | overrides), CPU_SMALL_WORKLOAD)
+
+
 PRESETS = {
     "qwen3-0.6b": Preset(QWEN3_0_6B_CONFIG, {}),
-    # Qwen3's architecture shrunk to ~5M parameters (float32): per-step overhead and
-    # batching dominate, the home ground of continuous batching.
-    "cpu-small": Preset(
-        dict(QWEN3_0_6B_CONFIG, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096,
-             max_position_embeddings=4096, torch_dtype="float32", bos_token_id=0,
-             eos_token_id=1),
-        {"num_seqs": 128, "min_input_len": 16, "max_input_len": 256, "min_output_len": 16,
-         "max_output_len": 256}),
+    "llama3.2-1b": Preset(LLAMA3_2_1B_CONFIG, {}),
+    "qwen2.5-0.5b": Preset(QWEN2_5_0_5B_CONFIG, {}),
+    "mistral-7b-v0.3": Preset(MISTRAL_7B_V0_3_CONFIG, {}),    # for a GPU
+    "qwen3-30b-a3b": Preset(QWEN3_30B_A3B_CONFIG, {}),        # for a GPU (61 GB in bfloat16)
+    "cpu-small": cpu_small(QWEN3_0_6B_CONFIG),
+    "cpu-small-llama": cpu_small(LLAMA3_2_1B_CONFIG, max_position_embeddings=131072),
+    "cpu-small-qwen2": cpu_small(QWEN2_5_0_5B_CONFIG),
+    "cpu-small-mistral": cpu_small(MISTRAL_7B_V0_3_CONFIG),
+    # 16 experts of 128, 4 per token: the experts' weights read per token are 2/3 of the
+    # dense shape's MLP.
+    "cpu-small-qwen3-moe": cpu_small(QWEN3_30B_A3B_CONFIG, num_experts=16,
+                                     num_experts_per_tok=4, moe_intermediate_size=128),
 }
 
 

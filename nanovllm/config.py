@@ -62,6 +62,7 @@ class Config:
         self.hf_config = AutoConfig.from_pretrained(self.model)
         check_tensor_parallel_divides(self.hf_config, self.tensor_parallel_size)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        _check_sliding_window(self.hf_config, self.max_model_len)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
@@ -93,8 +94,22 @@ def rope_parameters(hf_config: PretrainedConfig) -> dict:
     return params
 
 
-# What tensor parallelism shards: attention heads, MLP columns, vocabulary rows.
-_SHARDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+# What tensor parallelism shards: attention heads, MLP columns (each expert's, in MoE),
+# vocabulary rows.
+_SHARDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "moe_intermediate_size", "vocab_size")
+
+
+def _check_sliding_window(hf_config: PretrainedConfig, max_model_len: int) -> None:
+    """Attention here is full. A sliding window at least max_model_len wide never hides a
+    key, so it is full attention too; a narrower one would change the output."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or not getattr(hf_config, "use_sliding_window", True):
+        return
+    if window < max_model_len:
+        raise ValueError(f"sliding_window ({window}) is smaller than max_model_len "
+                         f"({max_model_len}) and sliding-window attention is not supported; "
+                         f"pass max_model_len={window} or less")
 
 
 def check_tensor_parallel_divides(hf_config: PretrainedConfig, tp_size: int) -> None:

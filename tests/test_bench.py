@@ -82,7 +82,8 @@ def test_token_ids_stay_inside_a_small_vocabulary():
 
 # -- decode figures ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("preset", sorted(bench.PRESETS))
+@pytest.mark.parametrize("preset", sorted(name for name, p in bench.PRESETS.items()
+                                    if p.config["architectures"] == ["Qwen3ForCausalLM"]))
 def test_weight_bytes_per_step_counts_every_parameter_once(preset):
     from transformers import Qwen3Config
 

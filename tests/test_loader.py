@@ -62,6 +62,6 @@ def test_dummy_weights_need_only_config_json(checkpoints, tmp_path):
 def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path):
     shutil.copytree(checkpoints["gqa"], tmp_path / "m")
     config = (tmp_path / "m" / "config.json")
-    config.write_text(config.read_text().replace("Qwen3ForCausalLM", "LlamaForCausalLM"))
+    config.write_text(config.read_text().replace("Qwen3ForCausalLM", "GPT2LMHeadModel"))
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         LLM(str(tmp_path / "m"), num_kvcache_blocks=4)

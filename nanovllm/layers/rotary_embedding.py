@@ -1,18 +1,35 @@
-"""Rotary position embedding (the "rotate half" layout Qwen3 uses)."""
+"""Rotary position embedding (the "rotate half" layout of Qwen, Llama and Mistral).
+
+    default   inv_freq[i] = rope_theta ** (-2i / head_dim)
+    llama3    Llama 3.1's scaling: wavelengths longer than original_max_position_embeddings
+              / low_freq_factor are divided by `factor`, shorter than .../high_freq_factor
+              kept, the band between interpolated smoothly
+
+Every layer of a model has the same RoPE, so its [max_position, head_dim] cos/sin cache
+is computed once and shared (get_rope): Qwen3's 40960 positions x 128 dims are 20 MiB
+per copy, not worth holding 28 times.
+"""
+import json
+import math
+import weakref
+
 import torch
 from torch import nn
 
 from nanovllm.compilation import HotOp
 
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+# (head_dim, max_position, parameters, device) -> the cos/sin cache layers of it share; a
+# cache lives as long as a model holds it.
+_CACHES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
+
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, cos_sin_cache: torch.Tensor):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         # [max_position, head_dim]: cos | sin, each [max_position, head_dim // 2]
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1),
-                             persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self._fn = apply_rotary_emb.select()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -35,7 +52,56 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
+    """A RoPE module for one layer; layers with equal arguments share one cos/sin cache.
+    An unsupported rope_type or a missing parameter is a ValueError naming it."""
+    inv_freq_fn = _inv_freq_function(rope_parameters)
+    key = (head_dim, max_position, json.dumps(rope_parameters, sort_keys=True, default=str),
+           str(torch.get_default_device()))
+    cache = _CACHES.get(key)
+    if cache is None:
+        cache = _cos_sin_cache(inv_freq_fn(head_dim, rope_parameters), max_position)
+        _CACHES[key] = cache
+    return RotaryEmbedding(cache)
+
+
+def _inv_freq_function(rope_parameters: dict):
     rope_type = rope_parameters.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported; only 'default' RoPE is")
-    return RotaryEmbedding(head_dim, max_position, float(rope_parameters["rope_theta"]))
+    if rope_type not in _INV_FREQ:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(map(repr, _INV_FREQ))}")
+    partial = rope_parameters.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported; only 1.0 is")
+    if rope_type == "llama3":
+        missing = [name for name in _LLAMA3_KEYS if name not in rope_parameters]
+        if missing:
+            raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling "
+                             f"(rope_parameters)")
+    return _INV_FREQ[rope_type]
+
+
+def _cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+    freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _default_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def _llama3_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """Hugging Face's _compute_llama3_parameters, step for step (so float32 rounds alike)."""
+    inv_freq = _default_inv_freq(head_dim, params)
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+_INV_FREQ = {"default": _default_inv_freq, "llama3": _llama3_inv_freq}

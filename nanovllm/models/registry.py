@@ -2,10 +2,18 @@
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.mistral import MistralForCausalLM
+from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
 }
 
 
