@@ -58,7 +58,7 @@ FAMILIES = {
 
 
 def build_tokenizer_once(path: Path) -> Path:
-    from nanovllm.demo_model import build_tokenizer
+    from nanovllm.models.demo import build_tokenizer
 
     build_tokenizer(path)
     return path

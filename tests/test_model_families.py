@@ -15,6 +15,7 @@ from families import FAMILIES, LLAMA3_ROPE, build_family_checkpoint, build_token
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.core import Sequence
+from nanovllm.runner.step_inputs import prepare_inputs
 
 from conftest import hf_greedy, hf_model
 
@@ -57,7 +58,7 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
         seq.num_scheduled_tokens = len(prompt)
         seqs.append(seq)
     with torch.inference_mode():
-        return runner._forward(*runner.prepare_prefill(seqs))
+        return runner._forward(*prepare_inputs(seqs, BLOCK, runner.device))
 
 
 # -- each family against transformers -------------------------------------------------
@@ -154,7 +155,7 @@ def load_experts(experts, gate_up: torch.Tensor, down: torch.Tensor) -> None:
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_loads_its_slice_of_every_experts_intermediate_dimension(rank):
     from nanovllm.layers.moe import FusedMoE
-    from nanovllm.layers.parallel_state import TPGroup, tp_group_scope
+    from nanovllm.distributed.group import TPGroup, tp_group_scope
 
     with tp_group_scope(TPGroup(rank=rank, size=2)):
         experts = FusedMoE(num_experts=3, top_k=2, hidden_size=4, intermediate_size=6,

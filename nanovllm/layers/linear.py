@@ -51,6 +51,10 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class ReplicatedLinear(LinearBase):
+    """The full weight on every rank (e.g. an MoE router)."""
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias)

@@ -25,7 +25,7 @@ from torch import nn
 
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import copy_checked, divide
-from nanovllm.layers.parallel_state import get_tp_group
+from nanovllm.distributed.group import get_tp_group
 
 # checkpoint projection -> (our parameter, vLLM's shard name)
 _EXPERT_PROJECTIONS = (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"),
@@ -79,7 +79,7 @@ class FusedMoE(nn.Module):
         self.tp_group = get_tp_group()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        shard = divide(intermediate_size, self.tp_group.size, "moe_intermediate_size")
+        shard = divide(intermediate_size, self.tp_group.size)
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * shard, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, shard))
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
