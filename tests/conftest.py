@@ -7,23 +7,34 @@ import pytest
 
 # name -> build_tiny_qwen3 arguments. Both GQA and MQA; tied and untied LM head;
 # with and without attention bias; head_dim * heads != hidden_size in "mqa".
+# "gqa" has the engine's fallback rope_theta (10000) and rms_norm_eps (1e-6); "mqa" has
+# others (those of real Qwen3 and Llama checkpoints), so a field left unread fails there.
+# A tied LM head scores the current token's own embedding high, so the tied model's
+# layers are drawn wider than its embedding: its greedy output then varies instead of
+# repeating one or two tokens.
 MODEL_SHAPES = {
     "gqa": dict(num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
     "mqa": dict(num_heads=4, num_kv_heads=1, head_dim=32, tie_word_embeddings=True,
-                attention_bias=True, seed=1),
+                attention_bias=True, layer_initializer_range=0.24, rope_theta=1e6,
+                rms_norm_eps=1e-5, seed=0),
 }
+# The engine's logits differ from transformers' by up to ~3e-6 on these checkpoints
+# (float32, CPU); a greedy reference whose top token leads by less than 100 times that
+# could be overturned by rounding, so hf_greedy refuses it.
+MIN_TOP2_GAP = 3e-4
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """name -> checkpoint directory, including "gqa_v4": the gqa model with a
-    transformers-4 style config.json (rope_theta, torch_dtype)."""
+    """name -> checkpoint directory, including "gqa_v4": the gqa weights with a
+    transformers-4 style config.json (rope_theta, torch_dtype) and a rope_theta that is
+    not the engine's fallback."""
     from nanovllm.models.demo import build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {name: build_tiny_qwen3(root / name, **kw) for name, kw in MODEL_SHAPES.items()}
     paths["gqa_v4"] = build_tiny_qwen3(root / "gqa_v4", config_style="transformers4",
-                                       **MODEL_SHAPES["gqa"])
+                                       rope_theta=1e6, **MODEL_SHAPES["gqa"])
     return paths
 
 
@@ -41,10 +52,27 @@ def hf_model(path: str):
 
 @lru_cache(maxsize=None)
 def hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generate, one prompt at a time (no padding)."""
+    """transformers' own greedy generate, one prompt at a time (no padding); fails on a
+    near-tie (see assert_clear_argmax)."""
     import torch
 
     out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=0)
-    assert out.shape[1] == len(prompt) + max_new_tokens
-    return out[0, len(prompt):].tolist()
+                                  do_sample=False, pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True)
+    assert out.sequences.shape[1] == len(prompt) + max_new_tokens
+    assert_clear_argmax(torch.stack(out.logits)[:, 0],
+                        f"{Path(path).name}, prompt {list(prompt)[:8]}... ({len(prompt)} tokens)")
+    return out.sequences[0, len(prompt):].tolist()
+
+
+def assert_clear_argmax(logits, what: str) -> None:
+    """Every greedy step's top logit leads the runner-up by MIN_TOP2_GAP: logits
+    [steps, vocab], the scores each greedy token was the argmax of."""
+    top2 = logits.topk(2, dim=-1).values
+    gaps = top2[:, 0] - top2[:, 1]
+    step = int(gaps.argmin())
+    assert gaps[step] >= MIN_TOP2_GAP, (
+        f"near-tie in the greedy reference for {what}: at step {step} the top two logits "
+        f"differ by {gaps[step].item():.1e} < MIN_TOP2_GAP = {MIN_TOP2_GAP:.0e}, so rounding "
+        f"could flip the token and the comparison would be flaky; choose another prompt "
+        f"(or checkpoint seed)")

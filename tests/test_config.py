@@ -3,6 +3,7 @@ that names the field."""
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -37,6 +38,15 @@ def test_transformers_4_style_config_is_understood(config_dir):
     c = Config(config_dir)
     assert rope_parameters(c.hf_config)["rope_theta"] == 5000.0
     assert checkpoint_dtype(c.hf_config) == "bfloat16"
+
+
+def test_transformers_4_attributes_are_read_as_such():
+    # transformers 5 turns a 4.x config.json into its own attributes when it loads it (so
+    # the test above passes either way); a transformers 4 config object keeps these.
+    v4 = types.SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0},
+                               torch_dtype="bfloat16")
+    assert rope_parameters(v4) == {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}
+    assert checkpoint_dtype(v4) == "bfloat16"
 
 
 def test_missing_model_directory_is_a_value_error(tmp_path):

@@ -1,5 +1,6 @@
 """Checkpoint loading: every tensor must find a parameter and every shape must match;
 otherwise a ValueError names the tensor."""
+import json
 import shutil
 
 import pytest
@@ -57,6 +58,34 @@ def test_dummy_weights_need_only_config_json(checkpoints, tmp_path):
         out = llm.generate([[1, 2, 3]], use_tqdm=False)
         assert len(out[0]["token_ids"]) >= 1
         assert llm.model_runner.model.model.norm.weight.eq(1).all()
+
+
+def test_dummy_weights_are_random_matrices_of_the_configs_std_unit_norms_and_zero_biases(
+        checkpoints, tmp_path):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoints["mqa"] / name, tmp_path / name)  # mqa: attention biases
+    std = json.loads((tmp_path / "config.json").read_text())["initializer_range"]
+    assert std != 0.02  # not the fallback, so the config's value must have been read
+    with LLM(str(tmp_path), load_format="dummy", num_kvcache_blocks=8) as llm:
+        params = dict(llm.model_runner.model.named_parameters())
+    kinds = {"norm": 0, "bias": 0, "matrix": 0}
+    for name, param in params.items():
+        if name.endswith("norm.weight"):
+            kinds["norm"] += 1
+            assert param.eq(1).all(), name
+        elif name.endswith("bias"):
+            kinds["bias"] += 1
+            assert param.eq(0).all(), name
+        else:
+            kinds["matrix"] += 1
+            assert param.dim() == 2 and param.numel() >= 4096, name
+            assert abs(param.std().item() / std - 1) < 0.05, f"{name}: std {param.std().item():.4f}"
+            assert abs(param.mean().item()) < 0.05 * std, name
+    # per layer 4 norms, 4 matrices, qkv and o biases; the final norm; the embedding (tied)
+    assert kinds == {"norm": 9, "bias": 4, "matrix": 9}
+    # each matrix drawn on its own, not one draw repeated
+    first, second = (params[f"model.layers.{i}.mlp.down_proj.weight"] for i in (0, 1))
+    assert not torch.equal(first, second)
 
 
 def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path):

@@ -6,7 +6,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from nanovllm import LLM, SamplingParams
 
-from conftest import hf_greedy, hf_model
+from conftest import assert_clear_argmax, hf_greedy, hf_model
 
 BLOCK = 16
 NEW_TOKENS = 24
@@ -69,7 +69,7 @@ def test_seeded_requests_give_the_same_tokens_alone_or_in_any_batch_position(llm
 def reference_penalized_greedy(path: str, prompt: list[int], params: SamplingParams) -> list[int]:
     """transformers' forward and RepetitionPenaltyLogitsProcessor, plus presence and
     frequency in plain Python (transformers has no processor for them), then argmax."""
-    ids = list(prompt)
+    ids, steps = list(prompt), []
     repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
     for _ in range(params.max_tokens):
         with torch.inference_mode():
@@ -80,11 +80,13 @@ def reference_penalized_greedy(path: str, prompt: list[int], params: SamplingPar
             logits[token] -= (params.frequency_penalty * completion.count(token)
                               + params.presence_penalty)
         ids.append(int(logits.argmax()))
+        steps.append(logits)
+    assert_clear_argmax(torch.stack(steps), f"penalized prompt {prompt[:8]}...")
     return ids[len(prompt):]
 
 
 def test_penalized_greedy_matches_transformers_through_preemption(checkpoints, path):
-    prompts = make_prompts([20, 30, 12, 25], seed=4, vocab=40)  # small vocab: many repeats
+    prompts = make_prompts([20, 30, 12, 25], seed=8, vocab=40)  # small vocab: many repeats
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=r,
                              presence_penalty=pp, frequency_penalty=f)
               for r, pp, f in [(1.5, 0, 0), (1.0, 0.6, 0.4), (1.3, -0.5, 1.0), (0.8, 0, 0)]]
@@ -98,8 +100,11 @@ def test_penalized_greedy_matches_transformers_through_preemption(checkpoints, p
 def hf_greedy_with_eos(path: str, prompt: list[int], eos: int, min_new_tokens: int) -> list[int]:
     out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                                   do_sample=False, eos_token_id=eos,
-                                  min_new_tokens=min_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                                  min_new_tokens=min_new_tokens, pad_token_id=0,
+                                  output_scores=True, return_dict_in_generate=True)
+    # scores: the logits after min_new_tokens masked EOS, which each token is the argmax of
+    assert_clear_argmax(torch.stack(out.scores)[:, 0], f"prompt {prompt[:8]}... with EOS {eos}")
+    return out.sequences[0, len(prompt):].tolist()
 
 
 def test_stop_token_ids_and_min_tokens_match_transformers_eos_handling(llm, path):

@@ -161,6 +161,27 @@ def test_preemption_picks_the_newest_running_sequence_and_it_completes_later():
     assert sch.block_manager.num_free_blocks == 4
 
 
+def test_a_preempted_sequence_runs_again_before_requests_that_were_waiting_longer():
+    # As above, but max_num_seqs=2 keeps c waiting from the start. When b is preempted it
+    # goes back to the front of the queue, ahead of c, although c has waited longer.
+    sch, runner = make_scheduler(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=16), FakeRunner()
+    a = add(sch, [1, 2, 3, 4], max_tokens=7, ignore_eos=True)
+    b = add(sch, [5, 6, 7, 8], max_tokens=7, ignore_eos=True)
+    c = add(sch, [9, 10, 11], max_tokens=2, ignore_eos=True)  # would fit beside a: one block
+    for _ in range(6):
+        step(sch, runner)  # prefill a and b, then five decode steps: the fifth preempts b
+    assert sch.num_preemptions == 1 and b.status == SequenceStatus.WAITING
+    assert [s.seq_id for s in sch.waiting] == [b.seq_id, c.seq_id]
+    run_until_done(sch, runner)
+    runs_of = {s.seq_id: [i for i, batch in enumerate(runner.batches) if s.seq_id in batch[0]]
+               for s in (b, c)}
+    resumed = next(i for i in runs_of[b.seq_id] if i >= 6)
+    # c did not slip into the block a left free: it starts only with b, after it.
+    assert runs_of[c.seq_id][0] == resumed
+    assert runner.batches[resumed][0].index(b.seq_id) < runner.batches[resumed][0].index(c.seq_id)
+    assert [s.num_completion_tokens for s in (a, b, c)] == [7, 7, 2]
+
+
 def test_a_sequence_alone_that_cannot_grow_preempts_itself_rather_than_hang():
     sch, runner = make_scheduler(num_blocks=2), FakeRunner()
     a = add(sch, [1, 2, 3, 4], max_tokens=5, ignore_eos=True)  # 8 tokens of KV: 2 blocks

@@ -1,6 +1,8 @@
 """Property-based tests: the real Scheduler and BlockManager, driven by a fake runner
 through random workloads (arrivals at random steps, shared prefixes, tiny block pools and
-token budgets, EOS, aborts). Invariants are checked after every step."""
+token budgets, EOS, aborts). Invariants are checked after every step, what the KV cache
+holds on every step (the fake runner reads each sequence's context back from its slots),
+and every completion against a replay in plain Python."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,6 +44,21 @@ def expected_length(prompt_len: int, r: dict, max_model_len: int) -> int:
     return n
 
 
+def next_token(context: tuple[int, ...]) -> int:
+    """The fake model: a token of the tiny alphabet (never EOS) that depends on every token
+    of the context and its order, so KV or tokens mixed up between sequences change it."""
+    return 1 + sum(i * t for i, t in enumerate(context, 1)) % 4
+
+
+def expected_completion(prompt: list[int], r: dict, max_model_len: int) -> list[int]:
+    """What the fake model must have generated for a request: its tokens one at a time."""
+    tokens = list(prompt)
+    for _ in range(expected_length(len(prompt), r, max_model_len)):
+        eos_due = r["eos_at"] is not None and len(tokens) + 1 >= r["eos_at"]
+        tokens.append(EOS if eos_due else next_token(tuple(tokens)))
+    return tokens[len(prompt):]
+
+
 def never_fits(prompt_len: int, r: dict, w: dict) -> bool:
     if prompt_len > w["max_model_len"]:
         return True
@@ -79,7 +96,7 @@ def test_random_workloads_keep_invariants_and_finish(w):
     bm = BlockManager(w["num_blocks"], w["block_size"], enable_prefix_caching=w["prefix_caching"])
     scheduler = Scheduler(bm, max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                           max_model_len=w["max_model_len"])
-    runner = FakeRunner(eos=EOS)
+    runner = FakeRunner(eos=EOS, next_token=next_token)
     admitted: list[tuple[Sequence, dict]] = []
     aborted: set[int] = set()
     last_arrival = max(r["arrival"] for r in w["requests"])
@@ -117,7 +134,7 @@ def test_random_workloads_keep_invariants_and_finish(w):
     for seq, r in admitted:
         assert seq.is_finished
         if seq.seq_id not in aborted:
-            assert seq.num_completion_tokens == expected_length(seq.num_prompt_tokens, r,
-                                                                w["max_model_len"])
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            assert seq.completion_token_ids == expected_completion(prompt, r, w["max_model_len"])
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)

@@ -1,5 +1,6 @@
-"""The torch attention backend's decode (the CPU path) against attention written out by
-hand, and, end to end, a batch larger than one decode group against transformers."""
+"""The torch attention backend (the CPU path, and the reference the Triton kernels are
+tested against): decode and prefill after a cached prefix against attention written out
+by hand, and, end to end, a batch larger than one decode group against transformers."""
 import pytest
 import torch
 
@@ -18,6 +19,14 @@ def naive_decode(q, keys, values, scale):
     v = values.double().repeat_interleave(group, dim=1)
     weights = torch.softmax(torch.einsum("hd,lhd->hl", q.double(), k) * scale, dim=-1)
     return torch.einsum("hl,lhd->hd", weights, v)
+
+
+def naive_prefill(q, keys, values, scale):
+    """A chunk of len(q) queries, the sequence's last positions, over its keys in float64,
+    causal: q [len_q, heads, dim]; keys, values [len_k, kv_heads, dim]."""
+    offset = keys.shape[0] - q.shape[0]
+    return torch.stack([naive_decode(q[j], keys[:offset + j + 1], values[:offset + j + 1], scale)
+                        for j in range(q.shape[0])])
 
 
 def paged_batch(lengths, block_size=4, num_kv_heads=2, head_dim=8, seed=0):
@@ -41,6 +50,11 @@ def keys_of(cache, table, length):
     return cache[torch.tensor(table)].flatten(0, 1)[:length]
 
 
+def cu_seqlens(lengths):
+    """[0, l0, l0 + l1, ...] int32."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
 @pytest.mark.parametrize("lengths", [
     [5],                                          # one sequence
     [1, 4, 9, 3],                                 # fewer than a group, in batch order
@@ -53,6 +67,25 @@ def test_decode_equals_attention_written_out(lengths):
     for i, n in enumerate(lengths):
         expected = naive_decode(q[i], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.3)
         assert torch.allclose(out[i].double(), expected, atol=1e-5), f"sequence {i} (length {n})"
+
+
+def test_prefill_after_a_cached_prefix_equals_attention_written_out():
+    # prefixes of one whole block (of 4), one and a bit, none, two and a bit; ragged chunks
+    prefix_lens, chunk_lens = [4, 5, 0, 9], [3, 1, 6, 5]
+    seqlens_k = [p + c for p, c in zip(prefix_lens, chunk_lens)]
+    k_cache, v_cache, tables, decode_ctx = paged_batch(seqlens_k)  # every slot holds K/V
+    q = torch.randn(sum(chunk_lens), 4, 8, generator=torch.Generator().manual_seed(1))
+    unused = torch.full((sum(chunk_lens), 2, 8), float("nan"))  # keys come from the cache
+    ctx = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(len(q), dtype=torch.long),
+                            block_tables=decode_ctx.block_tables, cu_seqlens_q=cu_seqlens(chunk_lens),
+                            cu_seqlens_k=cu_seqlens(seqlens_k), max_seqlen_q=max(chunk_lens),
+                            max_seqlen_k=max(seqlens_k), seqlens_q=chunk_lens, seqlens_k=seqlens_k)
+    out = TorchBackend().prefill(q, unused, unused, k_cache, v_cache, ctx, scale=0.3)
+    starts = cu_seqlens(chunk_lens).tolist()
+    for i, n in enumerate(seqlens_k):
+        rows = slice(starts[i], starts[i + 1])
+        expected = naive_prefill(q[rows], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.3)
+        assert torch.allclose(out[rows].double(), expected, atol=1e-5), f"sequence {i}"
 
 
 def test_every_layer_of_a_step_reads_its_own_cache():

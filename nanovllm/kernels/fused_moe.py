@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.layout import check_index, check_like, check_rows, check_size, interpreted
+from nanovllm.kernels.layout import assert_index, assert_rows, interpreted
 from nanovllm.layers.activation import silu_and_mul
 
 
@@ -122,21 +122,19 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
 
 def check_moe_args(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
-    check_rows("hidden_states", hidden_states, "[num_tokens, hidden]")
-    check_rows("w13", w13, "[num_experts, 2 * intermediate, hidden]")
-    check_rows("w2", w2, "[num_experts, hidden, intermediate]")
+    """Our own layer's layouts, asserted (see kernels/layout.py)."""
+    assert_rows("hidden_states", hidden_states, 2)
+    num_tokens, hidden = hidden_states.shape
     for name, w in (("w13", w13), ("w2", w2)):
-        check_like(name, w, "hidden_states", hidden_states)
-        if w.stride(1) != w.shape[2]:
-            raise ValueError(f"{name} must be contiguous in its last two dimensions, got "
-                             f"strides {w.stride()}; pass {name}.contiguous()")
-    hidden, intermediate = hidden_states.shape[1], w2.shape[2]
-    check_size("w13's shape", tuple(w13.shape), (w2.shape[0], 2 * intermediate, hidden))
-    check_size("w2's hidden size (dim 1)", w2.shape[1], hidden)
-    check_index("topk_ids", topk_ids, 2, hidden_states.device)
-    check_size("topk_ids' rows (one per token)", topk_ids.shape[0], hidden_states.shape[0])
-    check_rows("topk_weights", topk_weights, "[num_tokens, top_k]")
-    check_like("topk_weights", topk_weights, "hidden_states", hidden_states)
-    check_size("topk_weights' shape (topk_ids')", topk_weights.shape, topk_ids.shape)
-    if not hidden_states.is_contiguous() or not topk_weights.is_contiguous():
-        raise ValueError("hidden_states and topk_weights must be contiguous")
+        assert_rows(name, w, 3, like=hidden_states)
+        assert w.stride(1) == w.shape[2], f"{name} must be contiguous in its last two dims"
+    intermediate = w2.shape[2]
+    assert tuple(w13.shape) == (w2.shape[0], 2 * intermediate, hidden), \
+        f"w13's shape {tuple(w13.shape)} does not fit w2's {tuple(w2.shape)}"
+    assert w2.shape[1] == hidden, f"w2's hidden size {w2.shape[1]} is not {hidden}"
+    assert_index("topk_ids", topk_ids, 2, num_tokens, hidden_states.device)
+    assert_rows("topk_weights", topk_weights, 2, like=hidden_states)
+    assert topk_weights.shape == topk_ids.shape, \
+        f"topk_weights' shape {tuple(topk_weights.shape)} is not topk_ids'"
+    assert hidden_states.is_contiguous() and topk_weights.is_contiguous(), \
+        "hidden_states and topk_weights must be contiguous"

@@ -75,14 +75,21 @@ def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int
                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                      intermediate_size: int = 128, tie_word_embeddings: bool = False,
                      attention_bias: bool = False, max_position_embeddings: int = 1024,
-                     initializer_range: float = 0.08, config_style: str = "transformers5",
+                     initializer_range: float = 0.08,
+                     layer_initializer_range: float | None = None, rope_theta: float = 10000.0,
+                     rms_norm_eps: float = 1e-6, config_style: str = "transformers5",
                      seed: int = 0) -> Path:
     """Write a random Qwen3 checkpoint with a tokenizer to `path` and return it.
 
-    `initializer_range` is large so logits are peaked and greedy decoding does not hinge
-    on near-ties; norm weights are perturbed away from 1 so a missing norm is caught.
-    `config_style="transformers4"` writes config.json with `rope_theta`/`torch_dtype`,
-    as real Qwen3 checkpoints do.
+    Weight matrices are N(0, initializer_range); `layer_initializer_range`, if given, is
+    the decoder layers' own. The logits are nearly flat (at the defaults the top token's
+    probability is 0.01-0.03 and the top two logits can lie within 1e-4 of each other), so
+    a test comparing greedy tokens should check that its reference has no near-ties. With
+    a tied LM head the current token's own embedding dominates its logits and greedy
+    decoding repeats one or two tokens; layers drawn wider than the embedding (e.g. 0.24
+    against 0.08) outweigh it and the output varies. Norm weights are perturbed away from
+    1 so a missing norm is caught. `config_style="transformers4"` writes config.json with
+    `rope_theta`/`torch_dtype`, as real Qwen3 checkpoints do.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -96,6 +103,7 @@ def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int
         num_key_value_heads=num_kv_heads, head_dim=head_dim,
         max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
         tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
+        rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
         eos_token_id=_eos_token_id(path), bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).float()
@@ -105,6 +113,8 @@ def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int
                 param.copy_(1 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.05 * torch.randn_like(param))
+            elif layer_initializer_range is not None and ".layers." in name:
+                param.normal_(0.0, layer_initializer_range)
     model.save_pretrained(str(path), safe_serialization=True)
     if config_style == "transformers4":
         _rewrite_as_transformers4(path / "config.json")

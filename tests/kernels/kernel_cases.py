@@ -1,5 +1,7 @@
-"""Shared by the kernel tests: where the kernels run, random paged-cache cases and the
-error measure. The torch backend (nanovllm/layers/torch_attention.py) is the reference.
+"""Shared by the kernel tests: where the kernels run, random paged-cache cases, the
+error measure and attention written out in float64. The torch backend
+(nanovllm/attention/torch_backend.py), itself tested against attention written out by
+tests/test_torch_attention.py, is the Triton kernels' reference.
 
 The tests here run on CUDA when it is present, and on the CPU in Triton's interpreter
 when TRITON_INTERPRET=1 was set before anything imported triton: tests/test_kernels.py
@@ -44,6 +46,13 @@ class PagedCache:
         whole blocks and would carry NaN through a masked softmax)."""
         return self.k_cache.float().nan_to_num(0.0), self.v_cache.float().nan_to_num(0.0)
 
+    def context(self, i: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence i's first `length` keys and values, [length, num_kv_heads, head_dim]."""
+        block_size = self.k_cache.shape[1]
+        blocks = self.block_tables[i, :-(-length // block_size)].long()
+        return (self.k_cache[blocks].flatten(0, 1)[:length],
+                self.v_cache[blocks].flatten(0, 1)[:length])
+
 
 def paged_cache(seqlens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
                 dtype: torch.dtype, gen: torch.Generator) -> PagedCache:
@@ -71,3 +80,19 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     out[1:] = torch.tensor(lengths).cumsum(0)
     return out.to(DEVICE)
+
+
+def attention_written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """One sequence's causal attention in float64, by the formula: its last len(q)
+    positions' queries over its len(k) keys. q [len_q, heads, head_dim]; k, v [len_k,
+    kv_heads, head_dim] (GQA: each KV head serves heads // kv_heads query heads)."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    offset = k.shape[0] - q.shape[0]  # query j sits at position offset + j
+    visible = (torch.arange(k.shape[0], device=q.device)[None, :]
+               <= torch.arange(offset, k.shape[0], device=q.device)[:, None])
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
