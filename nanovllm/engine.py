@@ -131,8 +131,8 @@ class LLMEngine:
         decode = partial(self.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
         if seq.stop_text is not None:
             text = decode(token_ids)
-            stop = next((s for s in params.stop if text.startswith(s, len(seq.stop_text))), "")
-            return seq.stop_text + (stop if params.include_stop_str_in_output else ""), stop
+            stop = next((s for s in params.stop if text.startswith(s, len(seq.stop_text))), None)
+            return seq.stop_text + ((stop or "") if params.include_stop_str_in_output else ""), stop
         if seq.finish_reason is not FinishReason.STOP:
             return decode(token_ids), None
         # EOS or a stop token id: out of the text unless include_stop_str_in_output
