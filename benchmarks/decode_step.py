@@ -67,7 +67,7 @@ def time_steps(llm: LLM, steps: int, cycles_per_ms: float) -> dict[str, float]:
             torch.cuda._sleep(int(BUSY_MS * cycles_per_ms))
             start.record()
             t1 = time.perf_counter()
-        sampled = runner.execute_model(seqs)
+        sampled = runner.execute_model(seqs).token_ids
         t2 = time.perf_counter()
         if busy:
             end.record()

@@ -1,19 +1,26 @@
-"""Cost of the sampler per decode step: every filter and penalty vs temperature alone.
+"""Cost of the sampler per decode step: every filter and penalty, and logprobs, vs
+temperature alone.
 
     python benchmarks/sampler.py [--batch 256] [--vocab 151936] [--device cpu] [--threads N]
 
 Each configuration runs decode-like steps on random logits: one token appended to every
 sequence per step, the metadata built from the sequences as the model runner does
-(host work, including the penalties' incremental token counts), then the sampler.
-Configurations take turns step by step; each reports its fastest step (the least
-disturbed by other load on the machine) and its ratio to temperature-only.
+(host work, including the penalties' incremental token counts), then what
+ModelRunner.sample does around the sampler: the logprobs check (a scan of the batch when
+no sequence asks), and for those that ask the raw log_softmax before sampling and the
+Logprob dicts after it (with their host sync). Configurations take turns step by step;
+each reports its fastest step (the least disturbed by other load on the machine) and its
+ratio to temperature-only.
 """
 import argparse
 import time
+import timeit
 
 import torch
 
 from nanovllm.core import Sequence
+from nanovllm.runner.step_inputs import logits_rows
+from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling_params import SamplingParams
@@ -31,6 +38,10 @@ CONFIGS = {
                  presence_penalty=0.5, frequency_penalty=0.3),
     "full+seed": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                       presence_penalty=0.5, frequency_penalty=0.3, seed=0),
+    "logprobs=0": dict(temperature=0.8, logprobs=0),
+    "logprobs=5": dict(temperature=0.8, logprobs=5),
+    "logprobs=20": dict(temperature=0.8, logprobs=20),
+    "greedy+lp=5": dict(temperature=0, logprobs=5),
 }
 
 
@@ -54,10 +65,18 @@ class Workload:
         self.times: list[tuple[float, float]] = []  # (metadata s, sampler s) per step
 
     def step(self) -> None:
+        for seq in self.seqs:  # a decode row: its last token runs, the next is sampled
+            seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+        logits = self.logits.clone()
         start = time.perf_counter()
         metadata = build_sampling_metadata(self.seqs, self.vocab, self.counts, self.device)
         mid = time.perf_counter()
-        tokens = self.sampler(self.logits.clone(), metadata).tolist()  # waits for the device
+        asked = find_logprob_rows(self.seqs, None)  # as ModelRunner.sample does
+        raw = None if asked is None else raw_logprobs(logits, asked)
+        sampled = self.sampler(logits, metadata)
+        if asked is not None:
+            collect_logprobs(asked, raw, sampled, len(self.seqs))
+        tokens = sampled.tolist()  # waits for the device
         self.times.append((mid - start, time.perf_counter() - mid))
         for seq, token in zip(self.seqs, tokens):
             seq.append_token(token)
@@ -93,6 +112,11 @@ def main() -> None:
     for name, (host_ms, sample_ms) in results.items():
         print(f"{name:12s} metadata {host_ms:8.1f} ms  sampler {sample_ms:8.1f} ms  "
               f"total / temperature-only {(host_ms + sample_ms) / base:5.2f}")
+    seqs = workloads["temperature"].seqs
+    check = min(timeit.repeat(lambda: find_logprob_rows(seqs, logits_rows(seqs)), number=100,
+                              repeat=5)) / 100
+    print(f"logprobs checks when no sequence asks: {check * 1e6:.1f} us per step "
+          f"({check * 1e3 / base:.3%} of temperature-only)")
 
 if __name__ == "__main__":
     main()

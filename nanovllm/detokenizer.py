@@ -16,8 +16,9 @@ from nanovllm.core.sequence import Sequence
 class IncrementalDetokenizer:
     """The text of a growing list of token ids, decoding only the newest ones."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0  # token_ids[prefix_offset:read_offset] = context, already in text
@@ -26,8 +27,10 @@ class IncrementalDetokenizer:
     def append(self, token_ids: list[int]) -> int:
         """Add tokens; returns how many characters of text they completed."""
         self.token_ids.extend(token_ids)
-        context = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        skip = self.skip_special_tokens
+        context = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset],
+                                        skip_special_tokens=skip)
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(full) <= len(context) or full.endswith("\ufffd"):
             return 0
         self.text += full[len(context):]
@@ -60,7 +63,8 @@ class StopStringChecker:
         counts, e.g. before min_tokens, is the scheduler's call.)"""
         detokenizer = self.detokenizers.get(seq.seq_id)
         if detokenizer is None:
-            detokenizer = self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
+            detokenizer = self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.sampling_params.skip_special_tokens)
         start = seq.num_prompt_tokens + len(detokenizer.token_ids)
         num_new_chars = detokenizer.append(seq.token_ids[start:])
         if num_new_chars == 0:

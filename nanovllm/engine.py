@@ -6,7 +6,8 @@ The scheduler (control plane) decides what runs and which requests end, the mode
 (data plane) computes one token per scheduled sequence.
 """
 import os
-from dataclasses import dataclass
+from dataclasses import replace
+from functools import partial
 from numbers import Integral
 from typing import NamedTuple
 
@@ -15,26 +16,15 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from nanovllm.config import Config
 from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
 from nanovllm.detokenizer import StopStringChecker
-from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.outputs import CompletionOutput
+from nanovllm.runner.model_runner import ModelRunner, SamplerOutput
 from nanovllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionOutput:
-    """A finished request. token_ids: every completion token, the one that stopped it
-    included (an EOS, a stop token id, or the token that completed a stop string). text:
-    the completion's text, ending before whatever stopped it. finish_reason: "stop",
-    "length" or "abort" (vLLM's words)."""
-    seq_id: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+Prompt = str | list[int] | dict  # dict: vLLM's TextPrompt or TokensPrompt
 
 
 class StepOutput(NamedTuple):
-    finished: list[CompletionOutput]  # the requests that finished this step
+    finished: list[CompletionOutput]  # the sequences that finished this step
     num_prefill_tokens: int           # prompt tokens computed this step
     num_decode_tokens: int            # decode tokens computed this step
 
@@ -54,13 +44,17 @@ class LLMEngine:
                                    policy=config.scheduling_policy)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
-        """Queue one request; returns its seq_id. Bad input raises before anything is queued."""
-        seq = self._make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq.seq_id
+        """Queue one request (its n sequences); returns its id, the `seq_id` of its
+        outputs. Bad input raises before anything is queued."""
+        seqs = self._make_sequences(prompt, sampling_params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs[0].seq_id
 
-    def _make_sequence(self, prompt: object, params: object, index: int | None = None) -> Sequence:
-        """Tokenize and check one request without queueing it; errors name `index`."""
+    def _make_sequences(self, prompt: object, params: object,
+                        index: int | None = None) -> list[Sequence]:
+        """Tokenize and check one request (n sequences; the i-th's seed is seed + i, as vLLM's)
+        without queueing it; errors name `index`."""
         self._check_open()
         where = "" if index is None else f"prompt {index}: "
         if params is None:
@@ -68,19 +62,35 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"{where}sampling params must be a SamplingParams, got "
                             f"{type(params).__name__}")
-        if isinstance(prompt, str):
-            prompt = self.tokenizer.encode(prompt)
         try:
-            token_ids = check_token_ids(prompt, self.config.hf_config.vocab_size)
+            token_ids = check_token_ids(self._prompt_token_ids(prompt),
+                                        self.config.hf_config.vocab_size)
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids)
             self.scheduler.check_fits(seq)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None
-        return seq
+        return [seq] + [Sequence(token_ids, params if params.seed is None else
+                                 replace(params, seed=params.seed + i),
+                                 self.config.kvcache_block_size, self.eos_token_ids, seq, i)
+                        for i in range(1, params.n)]
 
-    def abort_request(self, seq_id: int) -> bool:
-        """Drop a pending request and free its KV blocks; False if it is not pending."""
-        return self.scheduler.abort(seq_id)
+    def _prompt_token_ids(self, prompt: object) -> object:
+        """A prompt's token ids (checked by the caller); text is tokenized as vLLM does
+        (with the tokenizer's special tokens)."""
+        if isinstance(prompt, dict):
+            if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
+                raise ValueError(f"a prompt dict takes 'prompt' (vLLM's TextPrompt) or "
+                                 f"'prompt_token_ids' (TokensPrompt), got keys {sorted(prompt)}")
+            if "prompt_token_ids" in prompt:
+                return prompt["prompt_token_ids"]
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError(f"'prompt' must be a string, got {type(prompt).__name__}")
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def abort_request(self, request_id: int) -> bool:
+        """Drop a pending request (its n sequences), free their blocks; False if not pending."""
+        return self.scheduler.abort(request_id)
 
     def _check_open(self) -> None:
         if self.model_runner is None:
@@ -95,8 +105,9 @@ class LLMEngine:
                 return StepOutput([], 0, 0)
             num_decode = sum(1 for seq in seqs if not seq.is_prefill)
             num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
-            token_ids = self.model_runner.call("run", seqs)
-            finished = self.scheduler.postprocess(seqs, token_ids)
+            out = self.model_runner.call("run", seqs)
+            record_logprobs(seqs, out)
+            finished = self.scheduler.postprocess(seqs, out.token_ids)
         except BaseException:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
             self.scheduler.abort_all()
@@ -106,13 +117,35 @@ class LLMEngine:
 
     def _completion_output(self, seq: Sequence) -> CompletionOutput:
         token_ids = seq.completion_token_ids
+        text, stop_reason = self._text(seq)
+        logprobs = self.decode_logprobs(seq.logprobs)
+        cumulative = None if logprobs is None else sum(
+            entries[token].logprob for entries, token in zip(logprobs, token_ids))
+        return CompletionOutput(seq.index, text, token_ids, cumulative, logprobs,
+                                seq.finish_reason.value, stop_reason, seq.request_id)
+
+    def _text(self, seq: Sequence) -> tuple[str, int | str | None]:
+        """The completion's text and stop_reason. Which stop string ended it is found again
+        in the whole decode, of which the incremental text is a prefix."""
+        params, token_ids = seq.sampling_params, seq.completion_token_ids
+        decode = partial(self.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
         if seq.stop_text is not None:
-            text = seq.stop_text
-        elif seq.finish_reason is FinishReason.STOP:  # EOS or a stop token id: not in text
-            text = self.tokenizer.decode(token_ids[:-1])
-        else:
-            text = self.tokenizer.decode(token_ids)
-        return CompletionOutput(seq.seq_id, token_ids, text, seq.finish_reason.value)
+            text = decode(token_ids)
+            stop = next((s for s in params.stop if text.startswith(s, len(seq.stop_text))), None)
+            return seq.stop_text + ((stop or "") if params.include_stop_str_in_output else ""), stop
+        if seq.finish_reason is not FinishReason.STOP:
+            return decode(token_ids), None
+        # EOS or a stop token id: out of the text unless include_stop_str_in_output
+        text = decode(token_ids if params.include_stop_str_in_output else token_ids[:-1])
+        is_eos = not params.ignore_eos and seq.last_token in self.eos_token_ids
+        return text, None if is_eos else seq.last_token
+
+    def decode_logprobs(self, entries: list[dict | None] | None) -> list[dict | None] | None:
+        """Fill in each Logprob's decoded_token (each token decoded alone, as vLLM does)."""
+        for entry in entries or ():
+            for token, logprob in (entry or {}).items():
+                logprob.decoded_token = self.tokenizer.decode([token])
+        return entries
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -129,6 +162,16 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def record_logprobs(seqs: list[Sequence], out: SamplerOutput) -> None:
+    """Keep the step's logprobs on their sequences (before postprocess appends the token)."""
+    for seq, entry in zip(seqs, out.logprobs or ()):
+        if entry is not None:
+            seq.logprobs.append(entry)
+    for seq, entries in zip(seqs, out.prompt_logprobs or ()):
+        if entries:
+            seq.prompt_logprobs.extend(entries)
 
 
 def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:

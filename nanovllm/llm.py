@@ -2,47 +2,84 @@
 
     llm = LLM("~/huggingface/Qwen3-0.6B/")
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))
-    outputs[0]["text"], outputs[0]["token_ids"]
+    outputs[0].outputs[0].text      # vLLM's RequestOutput
+    outputs[0]["text"], outputs[0]["token_ids"]   # nano-vLLM's
 """
 from numbers import Integral
 from time import perf_counter
 
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from nanovllm.engine import CompletionOutput, LLMEngine, Prompt
+from nanovllm.core import Sequence
+from nanovllm.engine import LLMEngine, Prompt
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
 class LLM(LLMEngine):
-    """An LLMEngine with generate() and a progress bar; usable as a context manager
+    """An LLMEngine with generate(), chat() and a progress bar; usable as a context manager
     (`with LLM(path) as llm: ...`) that releases memory on exit."""
 
-    def generate(self, prompts: list[Prompt] | str,
+    def generate(self, prompts: list[Prompt] | Prompt,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Run every prompt to completion; outputs come back in prompt order as
-        {"text": str, "token_ids": list[int], "finish_reason": "stop" | "length"}.
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; a RequestOutput per prompt, in prompt order.
         Every prompt is checked before any is queued: one bad prompt rejects the call with
         an error naming its index."""
         self._check_open()
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
-        seqs = [self._make_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
-        for seq in seqs:
+        requests = [self._make_sequences(p, sp, i)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        for seq in (seq for seqs in requests for seq in seqs):
             self.scheduler.add(seq)
         try:
-            outputs = self._run_to_completion({seq.seq_id for seq in seqs}, use_tqdm)
+            outputs = self._run_to_completion({seqs[0].seq_id: len(seqs) for seqs in requests},
+                                              use_tqdm)
         except BaseException:  # e.g. KeyboardInterrupt: leave no request of ours behind
-            for seq in seqs:
-                self.abort_request(seq.seq_id)
+            for seqs in requests:
+                self.abort_request(seqs[0].seq_id)
             raise
-        return [{"text": outputs[seq.seq_id].text, "token_ids": outputs[seq.seq_id].token_ids,
-                 "finish_reason": outputs[seq.seq_id].finish_reason} for seq in seqs]
+        return [self._request_output(prompt, seqs, outputs)
+                for prompt, seqs in zip(prompts, requests)]
 
-    def _run_to_completion(self, seq_ids: set[int], use_tqdm: bool) -> dict[int, CompletionOutput]:
-        """Step until the engine is idle; the outputs of `seq_ids`."""
-        outputs: dict[int, CompletionOutput] = {}
-        with tqdm(total=len(seq_ids), desc="Generating", dynamic_ncols=True,
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() on one conversation or a list, rendered with the chat template and
+        tokenized without adding special tokens (the rendered text has its own)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} "
+                            "dicts) or a list of conversations")
+        texts = [self.tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            for conversation in ([messages] if isinstance(messages[0], dict) else messages)]
+        return self.generate([{"prompt": text, "prompt_token_ids": self.tokenizer.encode(
+            text, add_special_tokens=False)} for text in texts], sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def _request_output(self, prompt: Prompt, seqs: list[Sequence],
+                        outputs: dict[tuple[int, int], CompletionOutput]) -> RequestOutput:
+        first = seqs[0]
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) else None)
+        return RequestOutput(
+            str(first.seq_id), text, first.token_ids[:first.num_prompt_tokens],
+            self.decode_logprobs(first.prompt_logprobs),
+            [outputs[first.seq_id, seq.index] for seq in seqs], finished=True,
+            num_cached_tokens=max(0, first.num_prefix_cached_tokens))
+
+    def _run_to_completion(self, requests: dict[int, int],
+                           use_tqdm: bool) -> dict[tuple[int, int], CompletionOutput]:
+        """Step until the engine is idle; the outputs of `requests` (id -> n) by (id, index)."""
+        outputs: dict[tuple[int, int], CompletionOutput] = {}
+        with tqdm(total=sum(requests.values()), desc="Generating", dynamic_ncols=True,
                   disable=not use_tqdm) as bar:
             prefill_speed = decode_speed = 0.0
             while not self.is_finished():
@@ -56,15 +93,15 @@ class LLM(LLMEngine):
                 bar.set_postfix(prefill=f"{prefill_speed:.0f}tok/s", decode=f"{decode_speed:.0f}tok/s",
                                 refresh=False)
                 for output in out.finished:
-                    if output.seq_id in seq_ids:
-                        outputs[output.seq_id] = output
+                    if output.seq_id in requests:
+                        outputs[output.seq_id, output.index] = output
                         bar.update(1)
         return outputs
 
 
 def as_prompt_list(prompts: object) -> list[Prompt]:
-    """A single string is one prompt; otherwise a list of strings / token-id lists."""
-    if isinstance(prompts, str):
+    """A single string (or prompt dict) is one prompt; otherwise a list of prompts."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of strings or of token-id lists, got "

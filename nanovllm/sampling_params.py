@@ -23,7 +23,8 @@ class SamplingParams:
     top_p: float = 1.0                 # keep the most likely tokens until p is reached
     min_p: float = 0.0                 # drop tokens below min_p x the top probability
     seed: int | None = None            # per request: the same tokens whatever the batch
-    max_tokens: int = 64               # the most completion tokens
+    n: int = 1                         # completions per prompt (they share its KV blocks)
+    max_tokens: int | None = 64        # the most completion tokens; None: up to max_model_len
     min_tokens: int = 0                # no stop token or stop string before this many
     ignore_eos: bool = False           # keep going past EOS
     stop_token_ids: list[int] | None = None  # end the sequence (kept in token_ids)
@@ -31,6 +32,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0    # prompt and completion tokens: logit / or x it
     presence_penalty: float = 0.0      # minus this for each token in the completion
     frequency_penalty: float = 0.0     # minus this per occurrence in the completion
+    logprobs: int | None = None        # per completion token: the top this many, + the chosen
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first: None)
+    include_stop_str_in_output: bool = False  # keep the stop string (or token) in the text
+    skip_special_tokens: bool = True   # leave special tokens out of the text
 
     def __post_init__(self) -> None:
         self._check_filters()
@@ -40,6 +45,12 @@ class SamplingParams:
         self.stop = _stop_string_list(self.stop)
         if self.seed is not None:
             check_int("seed", self.seed)
+        check_int("n", self.n, minimum=1)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=0)
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
 
     def _check_filters(self) -> None:
         check_number("temperature", self.temperature, 0, math.inf, "a number >= 0 (0 means greedy)")
@@ -50,9 +61,10 @@ class SamplingParams:
         check_number("min_p", self.min_p, 0, 1, "in [0, 1) (0 turns it off)", high_open=True)
 
     def _check_lengths(self) -> None:
-        check_int("max_tokens", self.max_tokens, minimum=1)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, minimum=1)
         check_int("min_tokens", self.min_tokens)
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
         check_bool("ignore_eos", self.ignore_eos)

@@ -129,7 +129,7 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                sampled = llm.model_runner.execute_model(seqs)
+                sampled = llm.model_runner.execute_model(seqs).token_ids
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             kinds.add(tuple(sorted({seq.is_prefill for seq in seqs})))

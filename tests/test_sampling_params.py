@@ -12,6 +12,12 @@ def test_defaults_turn_every_option_off():
     assert (p.stop_token_ids, p.stop) == ([], [])
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert not p.is_greedy and not p.has_penalties
+    assert (p.n, p.logprobs, p.prompt_logprobs) == (1, None, None)
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (False, True)
+
+
+def test_max_tokens_none_means_up_to_max_model_len_and_bounds_no_min_tokens():
+    assert SamplingParams(max_tokens=None, min_tokens=500).max_tokens is None
 
 
 def test_temperature_zero_or_below_1e_5_is_greedy():
@@ -55,6 +61,9 @@ def test_boundary_values_are_accepted(field, value):
     ("frequency_penalty", -2.01, "[-2, 2]"),
     ("stop_token_ids", [-1], ">= 0"),
     ("stop", ["ok", ""], "empty"),
+    ("n", 0, ">= 1"),
+    ("logprobs", -1, ">= 0"),
+    ("prompt_logprobs", -2, ">= 0"),
 ])
 def test_bad_values_are_value_errors_naming_field_and_range(field, value, range_text):
     with pytest.raises(ValueError) as err:
@@ -68,6 +77,8 @@ def test_bad_values_are_value_errors_naming_field_and_range(field, value, range_
     ("ignore_eos", 1), ("stop_token_ids", 5), ("stop_token_ids", [1, "2"]),
     ("stop_token_ids", "12"), ("stop", 3), ("stop", ["a", 3]),
     ("repetition_penalty", "1"), ("presence_penalty", None), ("frequency_penalty", [0.1]),
+    ("n", 2.0), ("n", None), ("logprobs", 1.0), ("prompt_logprobs", True),
+    ("include_stop_str_in_output", 1), ("skip_special_tokens", None),
 ])
 def test_wrong_types_are_type_errors_naming_the_field(field, value):
     with pytest.raises(TypeError, match=field):

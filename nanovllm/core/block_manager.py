@@ -69,8 +69,9 @@ class BlockManager:
     # -- prefill ------------------------------------------------------------------
 
     def get_cached_blocks(self, seq: Sequence) -> list[int]:
-        """Ids of the blocks holding the longest cached prefix of seq's full blocks."""
-        if not self.enable_prefix_caching:
+        """Ids of the blocks holding the longest cached prefix of seq's full blocks (none
+        while its prompt logprobs are owed: those need every prompt row computed)."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
         cached: list[int] = []
         parent_hash = parent_id = None
@@ -104,6 +105,8 @@ class BlockManager:
         seq.block_table = cached_blocks + new_blocks
         # Even a fully cached prompt computes its last token: its logits are needed.
         seq.num_cached_tokens = min(len(cached_blocks) * self.block_size, len(seq) - 1)
+        if seq.num_prefix_cached_tokens < 0:  # the first admission's hits, as vLLM reports
+            seq.num_prefix_cached_tokens = seq.num_cached_tokens
         self.num_cache_hit_blocks += len(cached_blocks)
 
     def deallocate(self, seq: Sequence) -> None:

@@ -63,7 +63,8 @@ class Scheduler:
                 f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len="
                 f"{self.max_model_len}; shorten it or raise max_model_len")
         # The last sampled token never needs KV; the length is capped at max_model_len.
-        final_len = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens,
+        max_tokens = seq.sampling_params.max_tokens or self.max_model_len
+        final_len = min(seq.num_prompt_tokens + max_tokens,
                         max(self.max_model_len, seq.num_prompt_tokens + 1))
         num_blocks = cdiv(final_len - 1, self.block_manager.block_size)
         if num_blocks > self.block_manager.num_blocks:
@@ -119,6 +120,10 @@ class Scheduler:
         batch = [seq for seq in batch if seq.num_scheduled_tokens]
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            parent = seq.parent  # n > 1: wait for the first's prompt KV, to share it as hits
+            if (parent is not None and parent.is_prefill and not parent.is_finished
+                    and self.block_manager.enable_prefix_caching):
+                break  # it is ahead in the queue (a preempted one goes back to the front)
             # Look the prefix up first: the budget is spent only on uncached tokens.
             cached_blocks = self.block_manager.get_cached_blocks(seq)
             if not self.block_manager.can_allocate(seq, cached_blocks):
@@ -183,7 +188,8 @@ class Scheduler:
             if past_min and text is not None:
                 seq.stop_text = text
                 return FinishReason.STOP
-        if num_completion >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        max_tokens = params.max_tokens or self.max_model_len  # None: up to max_model_len
+        if num_completion >= max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -196,15 +202,14 @@ class Scheduler:
 
     # -- aborting -----------------------------------------------------------------
 
-    def abort(self, seq_id: int) -> bool:
-        """Drop a pending request and free its blocks; False if it is not pending."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.seq_id == seq_id:
-                    queue.remove(seq)  # O(n), but aborting is rare and off the step path
-                    self._finish(seq, FinishReason.ABORT)
-                    return True
-        return False
+    def abort(self, request_id: int) -> bool:
+        """Drop a pending request (all n of its sequences) and free their blocks; False if
+        none is pending."""
+        seqs = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
+        for seq in seqs:  # O(n), but aborting is rare and off the step path
+            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            self._finish(seq, FinishReason.ABORT)
+        return bool(seqs)
 
     def abort_all(self) -> list[int]:
         """Drop every pending request (after a failed step); returns their ids."""

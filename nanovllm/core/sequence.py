@@ -35,11 +35,14 @@ class Sequence:
         "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
         "block_size", "sampling_params", "stop_token_ids", "finish_reason", "stop_text",
+        "index", "parent", "logprobs", "prompt_logprobs", "num_prefix_cached_tokens",
     )
     _next_id = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None,
-                 block_size: int, eos_token_ids: Iterable[int] = ()):
+                 block_size: int, eos_token_ids: Iterable[int] = (),
+                 parent: "Sequence | None" = None, index: int = 0):
+        """n > 1: `parent` is the request's first sequence, `index` which completion this is."""
         self.seq_id = next(Sequence._next_id)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -59,6 +62,12 @@ class Sequence:
             [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)])
         self.finish_reason: FinishReason | None = None  # set when it finishes
         self.stop_text: str | None = None  # the text before the stop string that ended it
+        self.parent, self.index = parent, index
+        self.num_prefix_cached_tokens = -1  # prompt tokens that were prefix-cache hits
+        # Asked-for logprobs as they come: per completion token, per prompt token (once a request)
+        asks = p is not None and p.logprobs is not None, p is not None and p.prompt_logprobs is not None
+        self.logprobs = [] if asks[0] else None
+        self.prompt_logprobs = [None] if asks[1] and parent is None else None
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -74,6 +83,17 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def request_id(self) -> int:
+        """The id add_request returned: the first sequence's of the request."""
+        return self.seq_id if self.parent is None else self.parent.seq_id
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs still owed: every prompt row needs logits, none may come from
+        the prefix cache. (Workers see [] for True, None for False.)"""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_blocks(self) -> int:
@@ -94,12 +114,13 @@ class Sequence:
         tokens = self.token_ids if self.is_prefill else self.last_token
         return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
                 self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
-                tokens)
+                tokens, self.needs_prompt_logits)
 
     def __setstate__(self, state) -> None:
         (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
          self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
-         tokens) = state
+         tokens, needs_prompt_logits) = state
+        self.prompt_logprobs = [] if needs_prompt_logits else None
         if self.is_prefill:
             self.token_ids = tokens
             self.last_token = tokens[-1]

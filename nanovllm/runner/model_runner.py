@@ -6,6 +6,7 @@ each step with `call("run", seqs)`, which runs it on every rank; only rank 0
 samples.
 """
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,11 +25,18 @@ from nanovllm.runner.kv_cache import (bind_kv_cache, bytes_per_block, cuda_memor
                                       kv_cache_budget, kv_cache_shape, num_blocks_within,
                                       untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
-from nanovllm.runner.step_inputs import prepare_inputs
+from nanovllm.runner.step_inputs import logits_rows, prepare_inputs
+from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import cdiv
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: torch.Tensor | list[int]  # [num_seqs]; run() returns them as a list
+    logprobs: list[dict | None] | None = None        # per sequence: its sampled token's entry
+    prompt_logprobs: list[list[dict]] | None = None  # per sequence: its new prompt entries
 
 
 class ModelRunner:
@@ -185,14 +193,15 @@ class ModelRunner:
             return getattr(self, method)(*args)
         return self.workers.call(getattr(self, method), method, args)
 
-    def run(self, seqs: list[Sequence]) -> list[int] | None:
-        """One step: a token id per sequence on rank 0 (None on other ranks)."""
-        token_ids = self.execute_model(seqs)
-        # The step's one host sync: on CUDA everything before it only queued work.
-        return None if token_ids is None else token_ids.tolist()
+    def run(self, seqs: list[Sequence]) -> SamplerOutput | None:
+        """One step: a token id per sequence, and the logprobs asked for, on rank 0 (None
+        on other ranks)."""
+        out = self.execute_model(seqs)
+        # The step's one host sync (logprobs, when asked, had theirs in sample()).
+        return None if out is None else out._replace(token_ids=out.token_ids.tolist())
 
     @torch.inference_mode()
-    def execute_model(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def execute_model(self, seqs: list[Sequence]) -> SamplerOutput | None:
         """A step's work, queued on the device: the sampled ids [len(seqs)] on rank 0."""
         logits = self._forward(*prepare_inputs(seqs, self.block_size, self.device))
         if self.rank != 0:
@@ -210,9 +219,17 @@ class ModelRunner:
                 hidden_states = self.model(input_ids, positions)
             return self.model.compute_logits(hidden_states)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        """logits: each sequence's logits_rows() (its last row samples)."""
+        rows = logits_rows(seqs)
+        asked = find_logprob_rows(seqs, rows)
+        raw = None if asked is None else raw_logprobs(logits, asked)  # before it is overwritten
+        if rows is not None:
+            logits = logits[to_device(torch.tensor(rows).cumsum(0) - 1, self.device)]
         metadata = build_sampling_metadata(seqs, logits.shape[-1], self.token_counts, self.device)
-        return self.sampler(logits, metadata)
+        token_ids = self.sampler(logits, metadata)
+        return SamplerOutput(token_ids, *(collect_logprobs(asked, raw, token_ids, len(seqs))
+                                          if asked else ()))
 
     def close(self) -> None:
         """Free the CUDA graphs and the KV cache; rank 0 stops its workers, a worker

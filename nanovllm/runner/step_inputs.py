@@ -47,9 +47,26 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
             context_lens=to_device(positions_t[:num_decode].int() + 1, device))
     if prefill:
         ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:], device)
-        ctx.logits_indices = to_device(torch.tensor(lens_q).cumsum(0) - 1, device)
+        ctx.logits_indices = to_device(_logits_indices(seqs, lens_q), device)
     return StepInputs(to_device(torch.tensor(input_ids), device), to_device(positions_t, device),
                       ctx)
+
+
+def logits_rows(seqs: list[Sequence]) -> list[int] | None:
+    """How many logits rows each sequence gets: its whole chunk while its prompt logprobs
+    are owed, else its last row; None when every sequence gets one."""
+    if not any(seq.needs_prompt_logits for seq in seqs):
+        return None
+    return [seq.num_scheduled_tokens if seq.needs_prompt_logits else 1 for seq in seqs]
+
+
+def _logits_indices(seqs: list[Sequence], lens_q: list[int]) -> torch.Tensor:
+    """The rows the LM head computes: each sequence's last, or its last logits_rows()."""
+    ends = torch.tensor(lens_q).cumsum(0)
+    rows = logits_rows(seqs)
+    if rows is None:
+        return ends - 1
+    return torch.cat([torch.arange(end - n, end) for end, n in zip(ends.tolist(), rows)])
 
 
 def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,

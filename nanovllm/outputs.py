@@ -1,0 +1,50 @@
+"""What generation returns, in vLLM's shapes: a RequestOutput per prompt holding n
+CompletionOutputs (API_NOTES.md has every field). A RequestOutput also answers nano-vLLM's
+out["text"], out["token_ids"] and out["finish_reason"]: those of its first completion."""
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Logprob:
+    """A token's log-probability in the model's raw distribution and its rank there (1 = top)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]          # per token: the top k + the chosen one
+PromptLogprobs = list[dict[int, Logprob] | None]   # the same; the first prompt token's: None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """text leaves out the stop string / stop token unless include_stop_str_in_output;
+    stop_reason: the stop string or stop token id that ended it (None for EOS or length).
+    seq_id (nano-vLLM's step-by-step API): the id add_request returned."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+    seq_id: int = -1
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None                # None for a token-id prompt
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+
+    def __getitem__(self, key: str) -> object:
+        if key not in ("text", "token_ids", "finish_reason"):
+            raise KeyError(key)
+        return getattr(self.outputs[0], key)

@@ -1,0 +1,87 @@
+"""Logprobs, only for the sequences that ask, of the model's raw distribution (vLLM v1's
+default): log_softmax of the logits before penalties, temperature and filters. An entry is
+{token id: Logprob}: the chosen token (sampled, or the prompt's next) ranked 1 + the others
+at least as likely (vLLM's count), then the top k, ranked 1..k.
+
+Logits rows: sequence i owns rows[i] consecutive ones (logits_rows); in a prefill chunk
+starting at position s, its row j predicts token s + j + 1; its last row samples.
+"""
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.core.sequence import Sequence
+from nanovllm.outputs import Logprob
+from nanovllm.runner.device import to_device
+
+
+class LogprobRows(NamedTuple):
+    """The logits rows a step computes logprobs of: prompt rows, then sampling rows."""
+    picks: list[int]           # logits rows
+    ks: list[int]              # the top-k size of each
+    prompt_targets: list[int]  # the token each prompt pick predicts
+    prompt_counts: list[int]   # per sequence, how many of the prompt picks are its
+    sample_rows: list[int]     # batch rows whose sampled token wants logprobs
+
+
+def find_logprob_rows(seqs: list[Sequence], rows: list[int] | None) -> LogprobRows | None:
+    """None when no sequence needs logprobs this step (the common case costs one scan).
+    Prompt tokens already recorded are skipped: a prompt recomputed after a preemption
+    predicts them again."""
+    if rows is None and all(seq.logprobs is None for seq in seqs):
+        return None
+    asked = LogprobRows([], [], [], [], [])
+    sample_picks, sample_ks, offset = [], [], 0
+    for i, (seq, n) in enumerate(zip(seqs, rows or [1] * len(seqs))):
+        start, lo, hi = seq.num_cached_tokens, 0, 0  # it predicts prompt tokens [lo, hi)
+        if seq.needs_prompt_logits:
+            lo = max(start + 1, len(seq.prompt_logprobs))
+            hi = max(lo, min(start + n + 1, seq.num_prompt_tokens))
+        asked.picks.extend(range(offset + lo - start - 1, offset + hi - start - 1))
+        asked.ks.extend([seq.sampling_params.prompt_logprobs] * (hi - lo))
+        asked.prompt_targets.extend(seq.token_ids[lo:hi])
+        asked.prompt_counts.append(hi - lo)
+        offset += n
+        if seq.logprobs is not None and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq):
+            asked.sample_rows.append(i)
+            sample_picks.append(offset - 1)
+            sample_ks.append(seq.sampling_params.logprobs)
+    asked.picks.extend(sample_picks)
+    asked.ks.extend(sample_ks)
+    return asked if asked.picks else None
+
+
+def raw_logprobs(logits: torch.Tensor, asked: LogprobRows) -> torch.Tensor:
+    """[len(picks), vocab] float32, taken before the sampler overwrites the logits."""
+    return logits[to_device(torch.tensor(asked.picks), logits.device)].float().log_softmax(-1)
+
+
+def collect_logprobs(asked: LogprobRows, logprobs: torch.Tensor, sampled: torch.Tensor,
+                     num_seqs: int) -> tuple[list[dict | None], list[list[dict]]]:
+    """Per sequence: the sampled token's entry (or None), and its new prompt entries."""
+    targets = to_device(torch.tensor(asked.prompt_targets, dtype=torch.long), sampled.device)
+    rows = to_device(torch.tensor(asked.sample_rows, dtype=torch.long), sampled.device)
+    entries = to_dicts(logprobs, torch.cat([targets, sampled[rows]]), asked.ks)
+    prompt, i = [], 0
+    for count in asked.prompt_counts:
+        prompt.append(entries[i:i + count])
+        i += count
+    sample: list[dict | None] = [None] * num_seqs
+    for row, entry in zip(asked.sample_rows, entries[i:]):
+        sample[row] = entry
+    return sample, prompt
+
+
+def to_dicts(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[dict]:
+    """logprobs [R, vocab], chosen [R] -> R dicts, row r with the top ks[r] (a host sync)."""
+    top = logprobs.topk(min(max(ks), logprobs.shape[1]), dim=-1)
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs >= chosen_logprobs).sum(dim=-1)
+    dicts = []
+    for k, token, logprob, rank, ids, values in zip(
+            ks, chosen.tolist(), chosen_logprobs[:, 0].tolist(), ranks.tolist(),
+            top.indices.tolist(), top.values.tolist()):
+        entries = {token: Logprob(logprob, rank)}
+        entries.update((i, Logprob(v, r)) for r, (i, v) in enumerate(zip(ids[:k], values[:k]), 1))
+        dicts.append(entries)
+    return dicts
