@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--temperature", type=float, default=0.6, help="(default 0.6; 0 = greedy)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="(default: the checkpoint's)")
+                   help="(default auto: nanovllm's choice, e.g. float32 for a bf16 checkpoint "
+                        "on a CPU without native bf16; the peers get the dtype it chose)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -235,7 +236,7 @@ class ModelSpec:
     path: str
     load_format: str      # "auto" (the checkpoint's weights) or "dummy" (random)
     hf_config: dict       # config.json
-    dtype: str            # --dtype, "auto" resolved to the checkpoint's: every engine gets it
+    dtype: str            # --dtype; "auto": nanovllm's own choice, the checkpoint's for a peer
 
 
 @contextmanager
@@ -249,19 +250,20 @@ def model_spec(args: argparse.Namespace):
                              f"{{{','.join(sorted(PRESETS))}}} for random weights")
         with open(config_file) as f:
             config = json.load(f)
-        yield ModelSpec(path, "auto", config, resolve_dtype(args.dtype, config))
+        yield ModelSpec(path, "auto", config, resolve_dtype(args, config))
         return
     config = PRESETS[args.preset].config
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.preset}-") as path:
         write_weightless_checkpoint(path, config)
-        yield ModelSpec(path, "dummy", config, resolve_dtype(args.dtype, config))
+        yield ModelSpec(path, "dummy", config, resolve_dtype(args, config))
 
 
-def resolve_dtype(dtype: str, hf_config: dict) -> str:
-    """"auto" is the checkpoint's dtype, as nanovllm reads it (vLLM's CPU build would
-    otherwise run a float32 checkpoint in bfloat16)."""
-    if dtype != "auto":
-        return dtype
+def resolve_dtype(args: argparse.Namespace, hf_config: dict) -> str:
+    """nanovllm resolves "auto" itself (run_nanovllm records what it chose); a peer alone
+    gets the checkpoint's dtype (vLLM's CPU build would run a float32 checkpoint in
+    bfloat16). Under --compare the peers are given nanovllm's choice (main)."""
+    if args.dtype != "auto" or args.backend == "nanovllm":
+        return args.dtype
     return str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
 
 
@@ -277,6 +279,7 @@ def run_backend(args: argparse.Namespace) -> dict:
         workload = make_workload(args, spec.hf_config["vocab_size"])
         run = engines.RUNNERS[args.backend]
         result = run(args, spec, workload)
+        result.setdefault("dtype", spec.dtype)
     if result["status"] == "ok":
         result.update(throughput(result["time_s"], workload))
         result.setdefault("peak_rss_mib", engines.self_peak_rss_mib())
@@ -294,6 +297,8 @@ def print_result(result: dict) -> None:
     if result["status"] != "ok":
         print(f"{result['engine']}: {result['status']} {result.get('error', '')}".rstrip())
         return
+    if result.get("dtype"):
+        print(f"Dtype: {result['dtype']} ({result['engine']}'s; --dtype auto lets it choose)")
     print(f"Total: {result['output_tokens']}tok, Time: {result['time_s']:.2f}s, "
           f"Throughput: {result['output_tok_s']:.2f}tok/s")
     if result.get("decode_time_s") is not None:
@@ -345,8 +350,13 @@ def uses_cuda(device: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    print_machine(machine())
     if args.peers:
-        results = [run_peer(args, b) for b in ["nanovllm", *args.peers]]
+        results = [run_peer(args, "nanovllm")]
+        peer_args = argparse.Namespace(**vars(args))
+        if args.dtype == "auto" and results[0]["status"] == "ok":
+            peer_args.dtype = results[0]["dtype"]  # every engine runs the same dtype
+        results += [run_peer(peer_args, b) for b in args.peers]
         for r in results:
             if r["status"] != "ok" and r.get("error"):
                 print(f"{r['engine']}: {r['error']}", file=sys.stderr)
@@ -361,13 +371,27 @@ def main(argv: list[str] | None = None) -> None:
                        "results": results}, f, indent=2)
 
 
+# The vector and matrix extensions worth naming: what the CPU computes natively.
+CPU_EXTENSIONS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
+                  "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "asimd", "sve")
+
+
 def machine() -> dict:
     """What the figures were measured on, and how busy it was (1-minute load average)."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                if line.startswith("model name")), "unknown")
+    lines = cpuinfo.splitlines()
+    cpu = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")),
+               "unknown")
+    flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith(("flags", "Features"))),
+                 [])
     return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+            "cpu_extensions": [f for f in CPU_EXTENSIONS if f in flags],
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def print_machine(m: dict) -> None:
+    print(f"CPU: {m['cpu']} ({m['cores']} cores; {' '.join(m['cpu_extensions']) or 'no'} "
+          f"extensions), load average {m['load_avg_1min']:.2f}")
 
 
 if __name__ == "__main__":

@@ -43,9 +43,11 @@ def run_nanovllm(args, spec, workload) -> dict:
                   for n in workload.output_lens]
         result = _timed_steps(llm, workload.prompts, params)
         result["peak_gpu_mib"] = _peak_gpu_mib()
+        # what dtype="auto" chose on this machine
+        result["dtype"] = str(llm.model_runner.dtype).removeprefix("torch.")
     finally:
         llm.close()
-    result.update(decode_figures(result, spec.hf_config, spec.dtype, workload))
+    result.update(decode_figures(result, spec.hf_config, result["dtype"], workload))
     return result
 
 

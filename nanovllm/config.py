@@ -29,7 +29,7 @@ class Config:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1           # -1: as many as the memory allows
     device: str = "auto"
-    dtype: str = "auto"                    # "auto": the checkpoint's dtype
+    dtype: str = "auto"                    # "auto": the checkpoint's (CPU: if native)
     attention_backend: str = "auto"
     load_format: str = "auto"
     enable_prefix_caching: bool = True

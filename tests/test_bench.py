@@ -112,7 +112,7 @@ def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
 
 # -- end to end (CPU) ----------------------------------------------------------------------
 
-def test_tiny_run_prints_nano_vllms_line_with_every_requested_token(tmp_path):
+def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_machine(tmp_path):
     out = run_bench(*TINY, "--device", "cpu", "--json", str(tmp_path / "result.json")).stdout
     match = LINE.search(out)
     assert match, out
@@ -123,6 +123,11 @@ def test_tiny_run_prints_nano_vllms_line_with_every_requested_token(tmp_path):
     assert result["prefill_time_s"] > 0 and result["decode_time_s"] > 0
     assert result["num_decode_steps"] >= max(bench.make_workload(
         bench.parse_args(TINY), 4096).output_lens) - 1
+    # It names the CPU, its vector/matrix extensions and the dtype chosen, in both.
+    machine = json.loads((tmp_path / "result.json").read_text())["machine"]
+    assert f"CPU: {machine['cpu']}" in out and " ".join(machine["cpu_extensions"]) in out
+    assert set(machine["cpu_extensions"]) <= set(bench.CPU_EXTENSIONS)
+    assert f"Dtype: {result['dtype']}" in out and result["dtype"] == "float32"  # a float32 preset
 
 
 def test_compare_prints_a_row_per_engine(tmp_path):

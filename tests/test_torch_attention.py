@@ -1,12 +1,18 @@
 """The torch attention backend (the CPU path, and the reference the Triton kernels are
-tested against): decode and prefill after a cached prefix against attention written out
-by hand, and, end to end, a batch larger than one decode group against transformers."""
+tested against) against attention written out by hand in float64: decode both ways it
+runs on a CPU (the native paged kernel, kernels/cpu_decode.py, and the gathering
+reference), prefill after a cached prefix; the kernel against the reference in bfloat16;
+and, end to end, a batch larger than one decode group against transformers."""
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import DECODE_GROUP_SIZE, TorchBackend
+from nanovllm.kernels import cpu_decode
 
 from conftest import hf_greedy
 
@@ -29,13 +35,13 @@ def naive_prefill(q, keys, values, scale):
                         for j in range(q.shape[0])])
 
 
-def paged_batch(lengths, block_size=4, num_kv_heads=2, head_dim=8, seed=0):
+def paged_batch(lengths, block_size=4, num_kv_heads=2, head_dim=8, seed=0, dtype=torch.float32):
     """A cache whose blocks are handed out in shuffled order, and the metadata of one
     decode step over sequences of the given lengths."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
     width = max(map(len, tables))
@@ -55,15 +61,28 @@ def cu_seqlens(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("lengths", [
-    [5],                                          # one sequence
-    [1, 4, 9, 3],                                 # fewer than a group, in batch order
-    [(7 * i) % 37 + 1 for i in range(DECODE_GROUP_SIZE * 2 + 3)],  # several sorted groups
+NATIVE_BUILT = cpu_decode.load() is not None
+
+
+@pytest.fixture(params=[pytest.param("native", marks=pytest.mark.skipif(
+    not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")), "gathering"])
+def backend(request):
+    return TorchBackend(native_cpu_decode=request.param == "native")
+
+
+@pytest.mark.parametrize("lengths,num_heads,num_kv_heads,head_dim", [
+    ([5], 4, 2, 8),                                   # one sequence
+    ([1, 4, 9, 3], 4, 2, 8),                          # fewer than a group, in batch order
+    ([(7 * i) % 37 + 1 for i in range(DECODE_GROUP_SIZE * 2 + 3)], 4, 2, 8),  # sorted groups
+    ([4, 8, 1, 12, 3, 5], 8, 1, 16),                  # MQA; lengths on and off block edges
+    ([1, 2, 3], 6, 6, 8),                             # no GQA
+    ([33, 7, 64], 16, 8, 128),                        # Qwen3-0.6B's heads, several blocks
 ])
-def test_decode_equals_attention_written_out(lengths):
-    k_cache, v_cache, tables, ctx = paged_batch(lengths)
-    q = torch.randn(len(lengths), 4, 8, generator=torch.Generator().manual_seed(1))
-    out = TorchBackend().decode(q, k_cache, v_cache, ctx, scale=0.3)
+def test_decode_equals_attention_written_out(backend, lengths, num_heads, num_kv_heads, head_dim):
+    k_cache, v_cache, tables, ctx = paged_batch(lengths, num_kv_heads=num_kv_heads,
+                                                head_dim=head_dim)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    out = backend.decode(q, k_cache, v_cache, ctx, scale=0.3)
     for i, n in enumerate(lengths):
         expected = naive_decode(q[i], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.3)
         assert torch.allclose(out[i].double(), expected, atol=1e-5), f"sequence {i} (length {n})"
@@ -88,12 +107,38 @@ def test_prefill_after_a_cached_prefix_equals_attention_written_out():
         assert torch.allclose(out[rows].double(), expected, atol=1e-5), f"sequence {i}"
 
 
-def test_every_layer_of_a_step_reads_its_own_cache():
+@pytest.mark.skipif(not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")
+def test_native_decode_reads_a_bfloat16_cache_as_the_reference_does():
+    lengths = [17, 1, 40, 16]
+    k_cache, v_cache, _, ctx = paged_batch(lengths, block_size=16, head_dim=64, dtype=torch.bfloat16)
+    q = torch.randn(len(lengths), 4, 64).to(torch.bfloat16)
+    native = TorchBackend().decode(q, k_cache, v_cache, ctx, scale=0.125)
+    reference = TorchBackend(native_cpu_decode=False).decode(q, k_cache, v_cache, ctx, scale=0.125)
+    assert native.dtype == torch.bfloat16
+    assert torch.allclose(native.float(), reference.float(), atol=2e-2)  # a bf16 rounding or two
+
+
+def test_without_a_compiler_decode_falls_back_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    cpu_decode.load.cache_clear()
+    monkeypatch.setattr(cpu_decode, "_cache_dir", lambda: Path(tempfile.mkdtemp()))
+    try:
+        assert cpu_decode.load() is None
+        assert "kernel is unavailable" in caplog.text
+        k_cache, v_cache, tables, ctx = paged_batch([6, 2])
+        q = torch.randn(2, 4, 8)
+        out = TorchBackend().decode(q, k_cache, v_cache, ctx, scale=0.5)
+        expected = naive_decode(q[0], keys_of(k_cache, tables[0], 6), keys_of(v_cache, tables[0], 6), 0.5)
+        assert torch.allclose(out[0].double(), expected, atol=1e-5)
+    finally:
+        cpu_decode.load.cache_clear()
+
+
+def test_every_layer_of_a_step_reads_its_own_cache(backend):
     """The per-step gather plan is shared by the layers; their caches are not."""
     lengths = [3, 11, 6] * DECODE_GROUP_SIZE
     k_cache, v_cache, tables, ctx = paged_batch(lengths)
     q = torch.randn(len(lengths), 4, 8)
-    backend = TorchBackend()
     backend.decode(q, k_cache, v_cache, ctx, scale=1.0)  # layer 0 plans the step
     out = backend.decode(q, 2 * k_cache, -v_cache, ctx, scale=1.0)
     expected = naive_decode(q[1], 2 * keys_of(k_cache, tables[1], 11), -keys_of(v_cache, tables[1], 11), 1.0)

@@ -2,15 +2,17 @@
 Triton kernels are tested against, and the CPU path.
 
 Prefill: one scaled_dot_product_attention per sequence over its chunk (and its cached
-prefix, gathered from its block table). Decode: the K/V rows in use are gathered from
-the paged cache into a dense copy and attended with one call per group of sequences
-(on the CPU: sorted by context length, DECODE_GROUP_SIZE per group)."""
+prefix, gathered from its block table). Decode on a CPU: a C++ kernel reading the paged
+cache directly (kernels/cpu_decode.py) where it builds; else, and on other devices, the
+K/V rows in use are gathered into a dense copy and attended with one call per group of
+sequences (on the CPU: sorted by context length, DECODE_GROUP_SIZE per group)."""
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.kernels import cpu_decode
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -20,9 +22,11 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native_cpu_decode: bool = True) -> None:
+        """native_cpu_decode=False: the gathering decode on the CPU too (the reference)."""
         # (the step's metadata, its decode plan): shared by every layer of that step
         self._decode_step: tuple[AttentionMetadata, DecodePlan] | None = None
+        self.native_cpu_decode = native_cpu_decode
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -49,6 +53,10 @@ class TorchBackend:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native_cpu_decode and q.device.type == "cpu" and k_cache.dtype in cpu_decode.DTYPES:
+            if (library := cpu_decode.load()) is not None:
+                return cpu_decode.paged_decode(library, q, k_cache, v_cache, ctx.block_tables,
+                                               ctx.context_lens, scale)
         plan = self._decode_plan(ctx, k_cache.shape[1])
         if plan.order is None:
             return _decode_group(q, k_cache, v_cache, plan.groups[0], scale)

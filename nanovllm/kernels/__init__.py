@@ -1,5 +1,5 @@
 """Triton kernels of the data plane, each a `@triton.jit` function plus a launcher that
-checks the layouts it is given (a ValueError names the argument and what to change).
+asserts the layouts it is given, naming the argument (kernels/layout.py).
 
     store_kvcache            write new tokens' K/V rows into their cache slots (-1 = skip)
     paged_decode_attention   one query per sequence over its block table (GQA, split-K)
@@ -7,12 +7,23 @@ checks the layouts it is given (a ValueError names the argument and what to chan
     fused_moe                a mixture of experts' two projections as grouped GEMMs over
                              the tokens sorted by expert
 
-Importing this package imports triton. The kernels run on CUDA tensors, or on CPU
-tensors in Triton's interpreter when TRITON_INTERPRET=1 was set before this import.
-"""
-from nanovllm.kernels.fused_moe import fused_moe
-from nanovllm.kernels.layout import interpreted
-from nanovllm.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from nanovllm.kernels.store_kvcache import store_kvcache
+    cpu_decode               (C++, not Triton) the CPU's paged decode, see cpu_decode.py
 
-__all__ = ["fused_moe", "interpreted", "paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
+Triton is imported, with every Triton kernel at once, when the first name below is
+asked for (the CPU kernel needs no Triton). They run on CUDA tensors, or on CPU tensors
+in Triton's interpreter when TRITON_INTERPRET=1 was set before that import.
+"""
+import importlib
+
+_HOMES = {"interpreted": "layout", "paged_decode_attention": "paged_attention",
+          "paged_prefill_attention": "paged_attention", "store_kvcache": "store_kvcache",
+          "fused_moe": "fused_moe"}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    modules = {home: importlib.import_module(f"{__name__}.{home}") for home in _HOMES.values()}
+    return getattr(modules[_HOMES[name]], name)

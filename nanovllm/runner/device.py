@@ -1,7 +1,10 @@
 """Which device and dtype a runner uses, and host -> device copies that do not make the
 host wait for the device."""
+import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -26,12 +29,59 @@ def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.devic
     return torch.device("cuda", rank)
 
 
-def resolve_dtype(name: str, hf_config) -> torch.dtype:
-    name = checkpoint_dtype(hf_config) if name == "auto" else name
+def resolve_dtype(name: str, hf_config, device: torch.device | None = None,
+                  float32_bytes: int = 0) -> torch.dtype:
+    """An explicit dtype is obeyed; "auto" is the checkpoint's, except on a CPU that only
+    emulates it (choose_cpu_dtype). `float32_bytes`: the float32 model and KV cache."""
+    if name == "auto":
+        name = checkpoint_dtype(hf_config)
+        if device is not None and device.type == "cpu" and name in _NATIVE_FLAGS:
+            name, why = choose_cpu_dtype(name, cpu_flags(), float32_bytes, physical_memory())
+            logging.getLogger("nanovllm").info("dtype=auto on this CPU: %s (%s)", name, why)
     if name not in _DTYPES:
         raise ValueError(f"checkpoint dtype {name!r} is not supported; pass dtype= one of "
                          f"{', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+# The CPU flags (/proc/cpuinfo) of native arithmetic in each half-precision dtype.
+_NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+class DtypeChoice(NamedTuple):
+    dtype: str
+    reason: str
+
+
+def choose_cpu_dtype(checkpoint: str, flags: frozenset[str], float32_bytes: int,
+                     memory_bytes: int) -> DtypeChoice:
+    """The checkpoint's half-precision dtype where the CPU computes it natively, else
+    float32 (emulated bf16/fp16 is ~2x slower) when it fits in 80% of `memory_bytes`."""
+    native = [f for f in _NATIVE_FLAGS.get(checkpoint, ()) if f in flags]
+    if native or checkpoint not in _NATIVE_FLAGS:
+        return DtypeChoice(checkpoint, f"the checkpoint's; native here ({', '.join(native)})"
+                           if native else "the checkpoint's")
+    need, have = f"{float32_bytes / 2**30:.1f} GiB", f"{0.8 * memory_bytes / 2**30:.1f} GiB"
+    if float32_bytes <= 0.8 * memory_bytes:
+        return DtypeChoice("float32", f"no {' or '.join(_NATIVE_FLAGS[checkpoint])}: "
+                           f"{checkpoint} is emulated; float32 model + KV cache {need} fit {have}")
+    return DtypeChoice(checkpoint, f"{checkpoint} is emulated here, but float32 model + KV cache "
+                       f"({need}) would not fit in {have}; pass dtype='float32' to force it")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo does not list them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((l for l in f if l.startswith("flags")), ":")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def physical_memory() -> int:
+    """Bytes of RAM: the same on every rank, so tensor-parallel ranks choose alike."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @contextmanager

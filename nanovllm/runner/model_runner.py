@@ -51,7 +51,8 @@ class ModelRunner:
         self.rank = rank
         self.block_size = config.kvcache_block_size
         self.device = resolve_device(config.device, rank, config.tensor_parallel_size)
-        self.dtype = resolve_dtype(config.dtype, config.hf_config)
+        self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device,
+                                   self._float32_bytes() if self.device.type == "cpu" else 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.workers: WorkerGroup | None = None  # rank 0's handle on ranks 1..N-1
         self.tp_group = self._init_tensor_parallel(rendezvous)
@@ -94,6 +95,13 @@ class ModelRunner:
         self.workers = WorkerGroup.spawn(self.config, self.device, type(self))
         self._stop_workers = weakref.finalize(self, self.workers.shutdown)
         return self.workers.tp_group
+
+    def _float32_bytes(self) -> int:
+        """The model in float32 (counted on the meta device) and every rank's KV cache."""
+        with torch.device("meta"):
+            model = get_model_class(self.config.hf_config)(self.config.hf_config)
+        kv_bytes = self.config.tensor_parallel_size * self.config.cpu_kvcache_space_gib * 2**30
+        return 4 * sum(p.numel() for p in model.parameters()) + int(kv_bytes)
 
     def _build_model(self) -> torch.nn.Module:
         hf_config = self.config.hf_config

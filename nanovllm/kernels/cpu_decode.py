@@ -1,0 +1,107 @@
+"""Paged decode attention on a CPU, straight from the paged cache (cpu_decode.cpp), and
+its launcher. The C++ has no PyTorch headers: compiled with the system's C++ compiler at
+first use in about a second (torch.utils.cpp_extension would take a minute), for this
+CPU (-march=native), cached under ~/.cache/nanovllm keyed by the source, the flags and
+the CPU, and loaded with ctypes. Its OpenMP threads are PyTorch's own: the library
+links libgomp.so.1, which the process already holds, loaded by libtorch.
+
+`load()` is None, with one warning saying why, when no compiler is found or the build
+fails; the torch backend then gathers the rows in use as before.
+"""
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes it reads
+_INT, _PTR = ctypes.c_int, ctypes.c_void_p
+_ARGTYPES = (_PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int64, _PTR, _INT, _INT, _INT, _INT, _INT,
+             ctypes.c_float, _INT, _INT)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first use; None (and a warning) if it cannot be."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return _unavailable("no C++ compiler (g++ or c++, or $CXX) was found")
+    try:
+        path = _cache_dir() / f"cpu_decode-{_build_key(compiler)}.so"
+        if not path.exists():
+            _compile(compiler, path)
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", None) or str(error)
+        return _unavailable(f"building or loading {SOURCE.name} failed: {detail[-800:]}")
+    library.nanovllm_paged_decode.argtypes = _ARGTYPES
+    library.nanovllm_paged_decode.restype = None
+    return library
+
+
+def paged_decode(library: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """q [n, heads, dim] -> [n, heads, dim]: one query per sequence over its
+    context_lens[i] cached tokens. Caches [num_blocks, block_size, kv_heads, dim]."""
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    n, num_heads, head_dim = q.shape
+    query = q.float().contiguous()
+    out = torch.empty_like(query)
+    tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    library.nanovllm_paged_decode(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), n, num_heads, k_cache.shape[2],
+        head_dim, k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16),
+        torch.get_num_threads())
+    return out.to(q.dtype)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    """Layouts the C++ indexes by hand: a mismatch would read the wrong memory."""
+    assert q.device.type == k_cache.device.type == "cpu", "CPU tensors only"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in DTYPES, k_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert q.dim() == 3 and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
+    assert block_tables.dtype == context_lens.dtype == torch.int32
+    assert block_tables.shape[0] == context_lens.shape[0] == q.shape[0]
+
+
+def _unavailable(reason: str) -> None:
+    logging.getLogger("nanovllm").warning(
+        "the CPU paged-decode kernel is unavailable (%s); decode gathers K/V rows instead", reason)
+    return None
+
+
+def _build_key(compiler: str) -> str:
+    """Source, compiler, flags and this CPU (-march=native code may not run on another)."""
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "".join(l for l in lines if l.startswith(("model name", "flags")))[:4096]
+    text = "\n".join((SOURCE.read_text(), compiler, *FLAGS, cpu))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(root) / "nanovllm" / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _compile(compiler: str, path: Path) -> None:
+    """Build into a temporary file, then rename: concurrent first uses never load half a file."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(built, path)
