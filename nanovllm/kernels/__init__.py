@@ -26,4 +26,7 @@ def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     modules = {home: importlib.import_module(f"{__name__}.{home}") for home in _HOMES.values()}
-    return getattr(modules[_HOMES[name]], name)
+    # Importing a submodule binds its name here (store_kvcache, fused_moe): rebind the
+    # functions over the modules of the same name.
+    globals().update({n: getattr(modules[home], n) for n, home in _HOMES.items()})
+    return globals()[name]
