@@ -107,6 +107,17 @@ def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int
         eos_token_id=_eos_token_id(path), bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).float()
+    _perturb(model, layer_initializer_range)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if config_style == "transformers4":
+        _rewrite_as_transformers4(path / "config.json")
+    return path
+
+
+def _perturb(model, layer_initializer_range: float | None) -> None:
+    """Norms away from 1, biases away from 0, decoder layers optionally drawn wider."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -115,10 +126,6 @@ def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int
                 param.copy_(0.05 * torch.randn_like(param))
             elif layer_initializer_range is not None and ".layers." in name:
                 param.normal_(0.0, layer_initializer_range)
-    model.save_pretrained(str(path), safe_serialization=True)
-    if config_style == "transformers4":
-        _rewrite_as_transformers4(path / "config.json")
-    return path
 
 
 def _eos_token_id(path: Path) -> int:
