@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a CPU without native bf16; the peers get the dtype it chose)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--scheduling-policy", default="mixed", choices=("mixed", "prefill_first"),
+                   help="nanovllm's scheduling policy (default mixed)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--max-model-len", type=int, default=4096, help="(default 4096)")
     p.add_argument("--backend", default="nanovllm", choices=BACKENDS,
@@ -313,7 +315,7 @@ def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[s
     """This run's resolved arguments for one engine in its own process."""
     argv = ["--preset", args.preset] if args.preset else ["--model", args.model]
     for name in (*DEFAULT_WORKLOAD, "seed", "temperature", "dtype", "device", "tp",
-                 "max_model_len", "kv_cache_gib", "threads", "hf_batch_size"):
+                 "max_model_len", "kv_cache_gib", "threads", "hf_batch_size", "scheduling_policy"):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.enforce_eager:
