@@ -53,7 +53,8 @@ def run_nanovllm(args, spec, workload) -> dict:
 
 
 def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:
-    """generate()'s loop, timing each step: a step is all prefill or all decode."""
+    """generate()'s loop, timing each step: a step with prompt work (a mixed step too)
+    counts as prefill time, a pure decode step as decode time."""
     start = perf_counter()
     for prompt, sp in zip(prompts, params):
         llm.add_request(prompt, sp)
