@@ -25,6 +25,7 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1            # engine replicas, each over tensor_parallel_size ranks
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1           # -1: as many as the memory allows
@@ -46,6 +47,7 @@ class Config:
                      "kvcache_block_size"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
+        check_int("data_parallel_size", self.data_parallel_size, minimum=1)
         if check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1) == 0:
             raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, "in (0, 1]",

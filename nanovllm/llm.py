@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.core import Sequence
+from nanovllm.distributed.data_parallel import split_by_tokens, start_replicas
 from nanovllm.engine import LLMEngine, Prompt
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -20,6 +21,11 @@ from nanovllm.sampling_params import SamplingParams
 class LLM(LLMEngine):
     """An LLMEngine with generate(), chat() and a progress bar; usable as a context manager
     (`with LLM(path) as llm: ...`) that releases memory on exit."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        # data_parallel_size > 1: generate() shares prompts with the other replicas
+        self.replicas = start_replicas(self.config, self.model_runner.launch)
 
     def generate(self, prompts: list[Prompt] | Prompt,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -32,6 +38,39 @@ class LLM(LLMEngine):
         params = as_params_list(sampling_params, len(prompts))
         requests = [self._make_sequences(p, sp, i)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
+        if self.replicas is None:
+            return self._generate(prompts, requests, use_tqdm)
+        return self._generate_on_replicas(prompts, params, requests, use_tqdm)
+
+    def _generate_on_replicas(self, prompts: list[Prompt], params: list[SamplingParams | None],
+                              requests: list[list[Sequence]],
+                              use_tqdm: bool) -> list[RequestOutput]:
+        """data_parallel_size > 1: each replica runs its share (this one too); all outputs
+        come back in prompt order."""
+        shares = split_by_tokens([self._cost(seqs) for seqs in requests],
+                                 self.config.data_parallel_size)
+        self.replicas.dispatch(shares, prompts, params)
+        mine = shares[self.replicas.rank]
+        try:
+            local = self._generate([prompts[i] for i in mine], [requests[i] for i in mine],
+                                   use_tqdm)
+        except BaseException:
+            self.replicas.gather([])  # take the others' outputs: none is left for the next call
+            raise
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for share, replica_outputs in zip(shares, self.replicas.gather(local)):
+            for i, output in zip(share, replica_outputs):
+                outputs[i] = output
+        return outputs
+
+    def _cost(self, seqs: list[Sequence]) -> int:
+        """The most tokens a request may hold in the cache, over its n sequences."""
+        max_len = self.config.max_model_len
+        max_tokens = seqs[0].sampling_params.max_tokens or max_len
+        return len(seqs) * min(max_len, seqs[0].num_prompt_tokens + max_tokens)
+
+    def _generate(self, prompts: list[Prompt], requests: list[list[Sequence]],
+                  use_tqdm: bool) -> list[RequestOutput]:
         for seq in (seq for seqs in requests for seq in seqs):
             self.scheduler.add(seq)
         try:
@@ -63,6 +102,12 @@ class LLM(LLMEngine):
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def close(self) -> None:
+        replicas, self.replicas = getattr(self, "replicas", None), None
+        if replicas is not None:
+            replicas.close()
+        super().close()
 
     def _request_output(self, prompt: Prompt, seqs: list[Sequence],
                         outputs: dict[tuple[int, int], CompletionOutput]) -> RequestOutput:

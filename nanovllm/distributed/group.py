@@ -6,12 +6,16 @@ it is built (`with tp_group_scope(group): model = ...`) and keeps it. Outside a 
 group is a single rank. The collectives call the backend object itself: torch.distributed's
 functions look ranks up in a registry our groups are not in.
 """
+import pickle
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.utils import Scoped
+
+GROUP_TIMEOUT = timedelta(minutes=5)  # a collective waiting this long on a live rank fails
 
 
 @dataclass(slots=True)
@@ -41,6 +45,23 @@ class TPGroup:
         self.process_group.gather(outputs, [x.contiguous()], opts).wait()
         return torch.cat(shards, dim=-1) if shards is not None else None
 
+    def broadcast_object(self, obj: object, device: torch.device) -> object:
+        """Rank 0's `obj` on every rank, pickled through the group's backend."""
+        if self.size == 1:
+            return obj
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], device=device)
+        self._broadcast(size)
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data
+                  else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+        self._broadcast(buffer)
+        return obj if self.rank == 0 else pickle.loads(buffer.cpu().numpy().tobytes())
+
+    def _broadcast(self, x: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.process_group.broadcast([x], opts).wait()
+
     def shutdown(self) -> None:
         """Release the backend (NCCL communicators, sockets); no collective after. Every
         layer shares this object, so the backend is destroyed here and now, not at
@@ -53,6 +74,11 @@ class TPGroup:
 SINGLE_RANK = TPGroup()
 _current: Scoped[TPGroup] = Scoped(SINGLE_RANK)
 tp_group_scope = _current.scope  # layers constructed inside shard over the group
+
+
+def join_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> TPGroup:
+    backend = dist.ProcessGroupNCCL if device.type == "cuda" else dist.ProcessGroupGloo
+    return TPGroup(rank, world_size, backend(store, rank, world_size, GROUP_TIMEOUT))
 
 
 def get_tp_group() -> TPGroup:

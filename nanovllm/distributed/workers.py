@@ -18,7 +18,6 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from time import monotonic
 
@@ -26,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.distributed.group import TPGroup
+from nanovllm.distributed.group import GROUP_TIMEOUT, TPGroup, join_tp_group
 
 HOST = "127.0.0.1"                      # every rank runs on this machine
-GROUP_TIMEOUT = timedelta(minutes=5)    # a collective waiting this long on a live rank fails
 JOIN_TIMEOUT_S = 5.0                    # shutdown waits this long for a worker, then terminates it
 
 
@@ -38,11 +36,6 @@ class Rendezvous:
     """Where a spawned rank finds its engine's process group."""
     port: int
     world_size: int
-
-
-def join_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> TPGroup:
-    backend = dist.ProcessGroupNCCL if device.type == "cuda" else dist.ProcessGroupGloo
-    return TPGroup(rank, world_size, backend(store, rank, world_size, GROUP_TIMEOUT))
 
 
 def connect_worker(rendezvous: Rendezvous, rank: int, device: torch.device) -> TPGroup:
@@ -166,13 +159,13 @@ class WorkerGroup:
         self.pipes.clear()
         for process in self.processes:
             # Out of step, a worker may wait in a collective rank 0 never joins: no grace.
-            _stop(process, grace_s=JOIN_TIMEOUT_S if self.broken is None else 0.0)
+            stop_process(process, grace_s=JOIN_TIMEOUT_S if self.broken is None else 0.0)
         if self.tp_group is not None and not self._aborted:
             self.tp_group.shutdown()
         self.tp_group = None
 
 
-def _stop(process: mp.process.BaseProcess, grace_s: float) -> None:
+def stop_process(process: mp.process.BaseProcess, grace_s: float) -> None:
     process.join(grace_s)
     if process.exitcode is None:
         process.terminate()
@@ -188,7 +181,7 @@ def worker_main(runner_cls: type, config: Config, rank: int, rendezvous: Rendezv
     until rank 0 closes the pipe. An exception ends the process (rank 0 notices)."""
     # Ctrl-C reaches the whole process group: rank 0 alone handles it (and stops us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     runner = runner_cls(config, rank, rendezvous)
     try:
         while True:
@@ -201,7 +194,7 @@ def worker_main(runner_cls: type, config: Config, rank: int, rendezvous: Rendezv
         runner.close()
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Rank 0's process is gone (killed, crashed): leave even from inside a collective."""
     mp.parent_process().join()
     os._exit(1)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.config import checkpoint_dtype
+from nanovllm.distributed.launch import Torchrun
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +28,17 @@ def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.devic
         raise ValueError(f"tensor_parallel_size={world_size} needs one GPU per rank but "
                          f"{torch.cuda.device_count()} are visible; lower it or use device='cpu'")
     return torch.device("cuda", rank)
+
+
+def local_device(name: str, launch: Torchrun) -> torch.device:
+    """A torchrun rank's device: the CPU, or its node's GPU number LOCAL_RANK."""
+    device = resolve_device(name)
+    if device.type == "cpu":
+        return device
+    if launch.local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK {launch.local_rank} has no GPU: {torch.cuda.device_count()} "
+                         "are visible; start at most that many ranks per node")
+    return torch.device("cuda", launch.local_rank)
 
 
 def resolve_dtype(name: str, hf_config, device: torch.device | None = None,

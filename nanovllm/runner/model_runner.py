@@ -16,11 +16,13 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.attention import ForwardContext, attention_context, select_backend
 from nanovllm.compilation import compile_scope
 from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
+from nanovllm.distributed.launch import engine_store, join_replica_tp_group, torchrun_launch
 from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
-from nanovllm.runner.device import default_dtype, resolve_device, resolve_dtype, to_device
+from nanovllm.runner.device import (default_dtype, local_device, resolve_device, resolve_dtype,
+                                    to_device)
 from nanovllm.runner.kv_cache import (bind_kv_cache, bytes_per_block, cuda_memory_profile,
                                       kv_cache_budget, kv_cache_shape, num_blocks_within,
                                       untracked_cuda_memory)
@@ -48,9 +50,12 @@ class ModelRunner:
         """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main, with the
         `rendezvous` rank 0 opened."""
         self.config = config
-        self.rank = rank
+        # Under torchrun every rank runs the engine; its place comes from torchrun's variables.
+        self.launch = torchrun_launch(config.tensor_parallel_size, config.data_parallel_size)
+        self.rank = rank if self.launch is None else self.launch.tp_rank
         self.block_size = config.kvcache_block_size
-        self.device = resolve_device(config.device, rank, config.tensor_parallel_size)
+        self.device = (resolve_device(config.device, self.rank, config.tensor_parallel_size)
+                       if self.launch is None else local_device(config.device, self.launch))
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device,
                                    self._float32_bytes() if self.device.type == "cpu" else 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
@@ -83,14 +88,16 @@ class ModelRunner:
     def _init_tensor_parallel(self, rendezvous: Rendezvous | None) -> TPGroup:
         """Rank 0 spawns ranks 1..N-1 and stops them when it is closed, garbage-collected
         or at interpreter exit; a spawned rank joins rank 0's process group."""
-        if self.config.tensor_parallel_size == 1:
+        if self.config.tensor_parallel_size == 1 and self.launch is None:
             return SINGLE_RANK
         if not dist.is_available():
             raise ValueError("tensor_parallel_size > 1 needs torch.distributed, which this "
                              "PyTorch build lacks")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.launch is not None:
+            return join_replica_tp_group(self.launch, engine_store(self.launch), self.device)
         if self.rank > 0:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
             return connect_worker(rendezvous, self.rank, self.device)
         self.workers = WorkerGroup.spawn(self.config, self.device, type(self))
         self._stop_workers = weakref.finalize(self, self.workers.shutdown)
@@ -206,7 +213,10 @@ class ModelRunner:
         on other ranks)."""
         out = self.execute_model(seqs)
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
-        return None if out is None else out._replace(token_ids=out.token_ids.tolist())
+        out = None if out is None else out._replace(token_ids=out.token_ids.tolist())
+        if self.launch is not None:  # every rank's scheduler goes on with rank 0's tokens
+            out = self.tp_group.broadcast_object(out, self.device)
+        return out
 
     @torch.inference_mode()
     def execute_model(self, seqs: list[Sequence]) -> SamplerOutput | None:
@@ -244,7 +254,7 @@ class ModelRunner:
         leaves the process group."""
         if self.workers is not None:
             self._stop_workers()  # a finalizer: runs WorkerGroup.shutdown at most once
-        elif self.rank > 0:
+        elif self.tp_group is not SINGLE_RANK:
             self.tp_group.shutdown()
         if self.graph_runner is not None:
             self.graph_runner.close()

@@ -1,0 +1,86 @@
+"""Launched by torchrun (or SLURM, or anything that sets its variables): every rank runs the
+user's script, builds the same engine and steps it in lockstep; the first rank of each
+tensor-parallel group samples and broadcasts the tokens. Ranks are laid out
+
+    world rank = dp_rank * tensor_parallel_size + tp_rank     (one replica's ranks adjacent)
+"""
+import os
+import pickle
+from dataclasses import dataclass
+from itertools import count
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.distributed.group import GROUP_TIMEOUT, SINGLE_RANK, TPGroup, join_tp_group
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_engine_ids = count()  # every rank builds its engines in the same order: ids agree
+
+
+@dataclass(frozen=True, slots=True)
+class Torchrun:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_size: int
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+
+def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
+    """This process's place in torchrun's world, or None when not launched by it; a world
+    that is not tp_size * dp_size ranks is refused (before any weight loads)."""
+    if not all(name in os.environ for name in _ENV):
+        return None
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != tp_size * dp_size:
+        raise ValueError(f"torchrun started {world_size} ranks but tensor_parallel_size="
+                         f"{tp_size} x data_parallel_size={dp_size} = {tp_size * dp_size}; "
+                         "make --nnodes x --nproc-per-node equal their product")
+    return Torchrun(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", 0)),
+                    tp_size)
+
+
+def engine_store(launch: Torchrun) -> dist.Store:
+    """A key space of this engine's own in torchrun's store (the agent's, when it hosts one;
+    else rank 0 opens it on MASTER_PORT)."""
+    is_master = launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          launch.world_size, is_master=is_master, timeout=GROUP_TIMEOUT,
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"nanovllm/engine{next(_engine_ids)}", store)
+
+
+def join_replica_tp_group(launch: Torchrun, store: dist.Store, device: torch.device) -> TPGroup:
+    if launch.tp_size == 1:
+        return SINGLE_RANK
+    return join_tp_group(dist.PrefixStore(f"tp{launch.dp_rank}", store), launch.tp_rank,
+                         launch.tp_size, device)
+
+
+def join_world_group(launch: Torchrun, store: dist.Store) -> TPGroup:
+    """Every rank, over gloo on the host: the data-parallel replicas' outputs meet here."""
+    group = dist.ProcessGroupGloo(dist.PrefixStore("world", store), launch.rank,
+                                  launch.world_size, GROUP_TIMEOUT)
+    return TPGroup(launch.rank, launch.world_size, group)
+
+
+def all_gather_objects(group: TPGroup, obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank (pickled; `group` runs on the host)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    group.process_group.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+    longest = int(max(sizes).item())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    shards = [torch.empty(longest, dtype=torch.uint8) for _ in range(group.size)]
+    group.process_group.allgather([shards], [padded]).wait()
+    return [pickle.loads(shard[:int(size.item())].numpy().tobytes())
+            for shard, size in zip(shards, sizes)]
