@@ -1,6 +1,4 @@
-"""Per-step attention metadata: the model runner fills a ForwardContext, the attention
-layers and the LM head read it, inside `attention_context(...)` only (a failed step
-cannot leak it into the next)."""
+"""Per-step attention metadata, set by the runner inside `attention_context(...)` only."""
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +55,5 @@ attention_context = _current.scope
 
 
 def get_context() -> ForwardContext:
-    if _current.value is None:
-        raise RuntimeError("attention metadata is only available inside attention_context()")
+    assert _current.value is not None, "attention metadata exists only inside attention_context()"
     return _current.value
