@@ -5,10 +5,7 @@
               / low_freq_factor are divided by `factor`, shorter than .../high_freq_factor
               kept, the band between interpolated smoothly
 
-Every layer of a model has the same RoPE, so its [max_position, head_dim] cos/sin cache
-is computed once and shared (get_rope): Qwen3's 40960 positions x 128 dims are 20 MiB
-per copy, not worth holding 28 times.
-"""
+Layers with the same RoPE share one [max_position, head_dim] cos/sin cache (Qwen3's is 20 MiB)."""
 import json
 import math
 import weakref
@@ -34,7 +31,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]."""
+        """positions [num_tokens]; q, k [num_tokens, heads or kv_heads, head_dim]."""
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
@@ -52,8 +49,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
-    """A RoPE module for one layer; layers with equal arguments share one cos/sin cache.
-    An unsupported rope_type or a missing parameter is a ValueError naming it."""
+    """A layer's RoPE; an unsupported rope_type or a missing parameter is a ValueError."""
     inv_freq_fn = _inv_freq_function(rope_parameters)
     key = (head_dim, max_position, json.dumps(rope_parameters, sort_keys=True, default=str),
            str(torch.get_default_device()))

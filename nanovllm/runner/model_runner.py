@@ -1,10 +1,7 @@
-"""ModelRunner: builds the model and its KV cache on a device, turns each scheduled
-batch into input tensors (step_inputs.py), runs the model and samples.
-
-With tensor parallelism, one ModelRunner per rank (nanovllm/distributed): rank 0 drives
-each step with `call("run", seqs)`, which runs it on every rank; only rank 0
-samples.
-"""
+"""ModelRunner: builds the model and its KV cache on a device, runs each scheduled batch
+(step_inputs.py) and samples. With tensor parallelism one per rank; rank 0 drives each step
+with `call("run", seqs)` and alone samples."""
+import math
 import weakref
 from typing import NamedTuple
 
@@ -21,9 +18,8 @@ from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
 from nanovllm.runner.device import default_dtype, resolve_device, resolve_dtype, to_device
-from nanovllm.runner.kv_cache import (bind_kv_cache, bytes_per_block, cuda_memory_profile,
-                                      kv_cache_budget, kv_cache_shape, num_blocks_within,
-                                      untracked_cuda_memory)
+from nanovllm.runner.kv_cache import (bind_kv_cache, cuda_memory_profile, kv_cache_budget,
+                                      kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
 from nanovllm.runner.step_inputs import logits_rows, prepare_inputs
 from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
@@ -45,8 +41,7 @@ class ModelRunner:
     which hold the cache's address."""
 
     def __init__(self, config: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
-        """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main, with the
-        `rendezvous` rank 0 opened."""
+        """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main (`rendezvous`)."""
         self.config = config
         self.rank = rank
         self.block_size = config.kvcache_block_size
@@ -67,11 +62,10 @@ class ModelRunner:
             layer.backend = self.backend
         # Penalties' per-sequence token counts (rank 0 samples); no memory until used.
         self.token_counts = TokenCounts(config.hf_config.vocab_size, self.device)
-        self.graph_runner: CUDAGraphRunner | None = None
-        if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name):
-            self.graph_runner = CUDAGraphRunner(
-                self.model, config.hf_config.hidden_size, config.max_num_seqs,
-                config.max_model_len, self.block_size, self.dtype, self.device)
+        self.graph_runner = CUDAGraphRunner(
+            self.model, config.hf_config.hidden_size, config.max_num_seqs, config.max_model_len,
+            self.block_size, self.dtype, self.device,
+        ) if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name) else None
         if is_cuda and config.num_kvcache_blocks > 0:
             self.warmup()  # nothing to size, but kernels compile now rather than in a step
         self.num_kvcache_blocks = self.allocate_kv_cache()
@@ -129,22 +123,19 @@ class ModelRunner:
                            dtype=self.dtype, device=self.device)
 
     def _blocks_that_fit(self) -> int:
-        """Blocks within the memory budget (a CPU: cpu_kvcache_space_gib; CUDA: kv_cache.py),
-        at most what max_num_seqs full-length sequences could ever use."""
-        block_bytes = bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+        """Blocks within the memory budget, at most what max_num_seqs full-length sequences use."""
+        config = self.config
         if self.device.type == "cuda":
-            num_blocks = num_blocks_within(
-                self._cuda_kv_budget(), block_bytes,
-                "lower max_model_len / max_num_batched_tokens or raise gpu_memory_utilization")
+            budget, hint = self._cuda_kv_budget(), ("lower max_model_len / max_num_batched_tokens"
+                                                    " or raise gpu_memory_utilization")
         else:
-            num_blocks = num_blocks_within(int(self.config.cpu_kvcache_space_gib * 2**30),
-                                           block_bytes, "raise cpu_kvcache_space_gib")
-        blocks_per_seq = cdiv(self.config.max_model_len + 1, self.block_size)
-        return min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+            budget, hint = int(config.cpu_kvcache_space_gib * 2**30), "raise cpu_kvcache_space_gib"
+        block = math.prod(kv_cache_shape(self.attention_layers, 1, self.block_size))
+        most = config.max_num_seqs * cdiv(config.max_model_len + 1, self.block_size)
+        return min(num_blocks_within(budget, block * self.dtype.itemsize, hint), most)
 
     def _cuda_kv_budget(self) -> int:
-        """Bytes left for the KV cache once the graphs' pool (a trial capture) and a warmup
-        at the largest batches are measured."""
+        """Bytes left for the KV cache after the graphs' pool (a trial capture) and a warmup."""
         graph_pool = 0
         if self.graph_runner is not None:
             bind_kv_cache(self.attention_layers, self._new_kv_cache(1))
@@ -156,13 +147,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> int:
-        """A prefill at the largest batch, then (rank 0) the sampler at the most rows, whose
-        [rows, vocab] float32 temporaries can outgrow the prefill's activations. Returns
-        the peak of PyTorch-reserved memory meanwhile."""
+        """The peak PyTorch-reserved memory of a prefill at the largest batch, then (rank 0) of
+        the sampler at the most rows ([rows, vocab] float32 temporaries can outgrow it)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        max_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
-        num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs))
+        config = self.config
+        max_len = min(config.max_model_len, config.max_num_batched_tokens)
+        num_seqs = max(1, min(config.max_num_batched_tokens // max_len, config.max_num_seqs))
         seqs = [Sequence([0] * max_len, None, self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = max_len
@@ -175,9 +166,8 @@ class ModelRunner:
         return torch.cuda.max_memory_reserved(self.device)
 
     def _warmup_sampler(self) -> None:
-        """Sample the most rows with every option on, then plain temperature sampling at
-        that many rows, one fewer and one: the compiled sampler compiles (static, dynamic
-        and size-1 variants) now, not in the middle of a run."""
+        """Every option at the most rows, then plain sampling at that many, one fewer and one:
+        the compiled sampler compiles (static, dynamic, size 1) now, not in a run."""
         rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         vocab_size = self.config.hf_config.vocab_size
         everything = SamplingParams(top_k=max(1, vocab_size // 2), top_p=0.9, min_p=0.01, seed=0,
@@ -195,15 +185,13 @@ class ModelRunner:
     # -- a step -------------------------------------------------------------------
 
     def call(self, method: str, *args) -> object:
-        """Rank 0: run `method(*args)` on every rank; returns rank 0's result. Raises
-        RuntimeError if a worker has died."""
+        """Rank 0: `method(*args)` on every rank, rank 0's result; RuntimeError if a worker died."""
         if self.workers is None:
             return getattr(self, method)(*args)
         return self.workers.call(getattr(self, method), method, args)
 
     def run(self, seqs: list[Sequence]) -> SamplerOutput | None:
-        """One step: a token id per sequence, and the logprobs asked for, on rank 0 (None
-        on other ranks)."""
+        """One step: rank 0's token id per sequence and the logprobs asked for; None elsewhere."""
         out = self.execute_model(seqs)
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
         return None if out is None else out._replace(token_ids=out.token_ids.tolist())
@@ -221,7 +209,7 @@ class ModelRunner:
         """Logits of each sequence's last row; a pure decode step replays a CUDA graph."""
         graphs = self.graph_runner
         with attention_context(ctx):
-            if ctx.prefill is None and graphs is not None and graphs.can_run(len(input_ids)):
+            if ctx.prefill is None and graphs and len(input_ids) <= graphs.batch_sizes[-1]:
                 hidden_states = graphs.run(input_ids, positions, ctx)
             else:
                 hidden_states = self.model(input_ids, positions)
@@ -240,8 +228,7 @@ class ModelRunner:
                                           if asked else ()))
 
     def close(self) -> None:
-        """Free the CUDA graphs and the KV cache; rank 0 stops its workers, a worker
-        leaves the process group."""
+        """Free the graphs and the KV cache; rank 0 stops its workers, a worker leaves the group."""
         if self.workers is not None:
             self._stop_workers()  # a finalizer: runs WorkerGroup.shutdown at most once
         elif self.rank > 0:

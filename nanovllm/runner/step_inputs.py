@@ -1,9 +1,6 @@
-"""A scheduled batch -> the model's input tensors and the step's ForwardContext.
-
-Every sequence computes its tokens [num_cached_tokens, num_cached_tokens +
-num_scheduled_tokens): a decoding one just its last token, a prefilling one a chunk of
-its prompt. The scheduler puts decode rows first. Slot mapping (where each new token's
-K/V goes), for block_size 4:
+"""A scheduled batch (decode rows first) -> the model's inputs and the step's ForwardContext.
+A sequence computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V
+goes to its slot (block_size 4):
 
     block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
     positions     0  1  2  3 | 4  5
@@ -53,8 +50,8 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
 
 
 def logits_rows(seqs: list[Sequence]) -> list[int] | None:
-    """How many logits rows each sequence gets: its whole chunk while its prompt logprobs
-    are owed, else its last row; None when every sequence gets one."""
+    """Logits rows per sequence: its whole chunk while prompt logprobs are owed, else its
+    last; None when every sequence gets one."""
     if not any(seq.needs_prompt_logits for seq in seqs):
         return None
     return [seq.num_scheduled_tokens if seq.needs_prompt_logits else 1 for seq in seqs]
@@ -71,8 +68,8 @@ def _logits_indices(seqs: list[Sequence], lens_q: list[int]) -> torch.Tensor:
 
 def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,
                       device: torch.device) -> AttentionMetadata:
-    """Each chunk's queries over its keys (the cached prefix + the chunk); the block
-    tables only when some chunk has a prefix to read from the cache."""
+    """Each chunk's queries over its keys (cached prefix + chunk); block tables only when
+    some chunk has a prefix to read from the cache."""
     seqlens_q = [seq.num_scheduled_tokens for seq in seqs]
     seqlens_k = [seq.num_cached_tokens + n for seq, n in zip(seqs, seqlens_q)]
     cu_seqlens = torch.zeros(2, len(seqs) + 1, dtype=torch.int32)
