@@ -44,8 +44,7 @@ def test_graphs_only_on_cuda_with_a_capturable_backend_and_not_under_enforce_eag
 
 def decode_metadata(block_tables: list[list[int]], slots: list[int],
                     context_lens: list[int]) -> ForwardContext:
-    decode = AttentionMetadata(is_prefill=False,
-                               block_tables=torch.tensor(block_tables, dtype=torch.int32),
+    decode = AttentionMetadata(block_tables=torch.tensor(block_tables, dtype=torch.int32),
                                context_lens=torch.tensor(context_lens, dtype=torch.int32))
     return ForwardContext(torch.tensor(slots), decode=decode, num_decode_tokens=len(slots))
 

@@ -8,19 +8,14 @@ from nanovllm.utils import Scoped
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """What a backend's prefill or decode reads. Tensors live on the model's device; the
-    lists are host copies for CPU-side loops.
-
-    Prefill (a chunk of each sequence; keys = cached prefix + the chunk):
+    """What a backend's prefill or decode reads (tensors on the model's device, lists on the
+    host). Prefill: a chunk of each sequence over keys = its cached prefix + the chunk:
 
         sequence i:  [ cached prefix | chunk (seqlen_q) ]
                      0          seqlen_k - seqlen_q      seqlen_k
 
-    Decode: one query token per sequence, attending over `context_lens` tokens.
-    """
+    Decode: one query token per sequence, attending over `context_lens` tokens."""
 
-    is_prefill: bool
-    slot_mapping: torch.Tensor | None = None   # [num_tokens] cache slot of each new K/V; -1 = skip
     block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] (-1 padded); None: no prefix
     # prefill
     cu_seqlens_q: torch.Tensor | None = None   # [num_seqs + 1] int32

@@ -50,17 +50,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
     """A layer's RoPE; an unsupported rope_type or a missing parameter is a ValueError."""
-    inv_freq_fn = _inv_freq_function(rope_parameters)
-    key = (head_dim, max_position, json.dumps(rope_parameters, sort_keys=True, default=str),
-           str(torch.get_default_device()))
-    cache = _CACHES.get(key)
-    if cache is None:
-        cache = _cos_sin_cache(inv_freq_fn(head_dim, rope_parameters), max_position)
-        _CACHES[key] = cache
-    return RotaryEmbedding(cache)
-
-
-def _inv_freq_function(rope_parameters: dict):
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type not in _INV_FREQ:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: "
@@ -68,12 +57,16 @@ def _inv_freq_function(rope_parameters: dict):
     partial = rope_parameters.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported; only 1.0 is")
-    if rope_type == "llama3":
-        missing = [name for name in _LLAMA3_KEYS if name not in rope_parameters]
-        if missing:
-            raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling "
-                             f"(rope_parameters)")
-    return _INV_FREQ[rope_type]
+    missing = [name for name in _LLAMA3_KEYS if name not in rope_parameters]
+    if rope_type == "llama3" and missing:
+        raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling "
+                         f"(rope_parameters)")
+    key = (head_dim, max_position, json.dumps(rope_parameters, sort_keys=True, default=str),
+           str(torch.get_default_device()))
+    if (cache := _CACHES.get(key)) is None:
+        inv_freq = _INV_FREQ[rope_type](head_dim, rope_parameters)
+        cache = _CACHES[key] = _cos_sin_cache(inv_freq, max_position)
+    return RotaryEmbedding(cache)
 
 
 def _cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:

@@ -58,8 +58,7 @@ class DecodeBuffers:
 
     def metadata(self, size: int) -> ForwardContext:
         """A decode step viewing the first `size` rows (what a graph captures)."""
-        decode = AttentionMetadata(is_prefill=False, block_tables=self.block_tables[:size],
-                                   context_lens=self.context_lens[:size])
+        decode = AttentionMetadata(self.block_tables[:size], context_lens=self.context_lens[:size])
         return ForwardContext(self.slot_mapping[:size], decode=decode, num_decode_tokens=size)
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,

@@ -30,17 +30,6 @@ def kv_cache_budget(p: MemoryProfile, gpu_memory_utilization: float) -> int:
     return max(0, int(min(within_cap, actually_free)))
 
 
-def cuda_memory_profile(device: torch.device, untracked_at_start: int, peak_reserved: int,
-                        graph_pool: int) -> MemoryProfile:
-    """After a warmup whose peak PyTorch-reserved memory was `peak_reserved`; the cache is
-    emptied first, so `free` includes the activations' memory (`peak - current` again)."""
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    grown = max(0, total - free - reserved - untracked_at_start)
-    return MemoryProfile(total, free, peak_reserved + grown, reserved + grown, graph_pool)
-
-
 def untracked_cuda_memory(device: torch.device) -> int:
     """Device memory in use outside PyTorch's allocator (the CUDA context, other processes)."""
     free, total = torch.cuda.mem_get_info(device)

@@ -18,7 +18,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
 from nanovllm.runner.device import default_dtype, resolve_device, resolve_dtype, to_device
-from nanovllm.runner.kv_cache import (bind_kv_cache, cuda_memory_profile, kv_cache_budget,
+from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
 from nanovllm.runner.step_inputs import logits_rows, prepare_inputs
@@ -71,8 +71,6 @@ class ModelRunner:
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if self.graph_runner is not None:
             self.graph_runner.capture()  # after the KV cache: the graphs hold its address
-
-    # -- setup --------------------------------------------------------------------
 
     def _init_tensor_parallel(self, rendezvous: Rendezvous | None) -> TPGroup:
         """Rank 0 spawns ranks 1..N-1 and stops them when it is closed, garbage-collected
@@ -135,14 +133,19 @@ class ModelRunner:
         return min(num_blocks_within(budget, block * self.dtype.itemsize, hint), most)
 
     def _cuda_kv_budget(self) -> int:
-        """Bytes left for the KV cache after the graphs' pool (a trial capture) and a warmup."""
+        """Bytes left for the KV cache after the graphs' pool (a trial capture) and a warmup.
+        PyTorch's cache is emptied first, so `free` includes the activations' memory."""
         graph_pool = 0
         if self.graph_runner is not None:
             bind_kv_cache(self.attention_layers, self._new_kv_cache(1))
             graph_pool = self.graph_runner.measure_pool()  # every row padding: 1 block will do
             bind_kv_cache(self.attention_layers, None)
-        profile = cuda_memory_profile(self.device, self.untracked_at_start, self.warmup(),
-                                      graph_pool)
+        peak = self.warmup()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        grown = max(0, total - free - reserved - self.untracked_at_start)  # outside PyTorch
+        profile = MemoryProfile(total, free, peak + grown, reserved + grown, graph_pool)
         return kv_cache_budget(profile, self.config.gpu_memory_utilization)
 
     @torch.inference_mode()
@@ -181,8 +184,6 @@ class ModelRunner:
             metadata = build_sampling_metadata(seqs, vocab_size, counts, self.device)
             logits = torch.zeros(num_rows, vocab_size, dtype=self.dtype, device=self.device)
             self.sampler(logits, metadata)
-
-    # -- a step -------------------------------------------------------------------
 
     def call(self, method: str, *args) -> object:
         """Rank 0: `method(*args)` on every rank, rank 0's result; RuntimeError if a worker died."""

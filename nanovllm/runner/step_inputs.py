@@ -31,7 +31,9 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
     lens_q = [1] * num_decode + [seq.num_scheduled_tokens for seq in prefill]
-    block_tables = _block_tables(seqs)
+    width = max(len(seq.block_table) for seq in seqs)  # [num_seqs, width], padded with -1
+    block_tables = torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table))
+                                 for seq in seqs], dtype=torch.int32)
     positions_t = torch.tensor(positions)
     rows = torch.arange(len(seqs)) if not prefill else \
         torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens_q))
@@ -39,9 +41,9 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
         + positions_t % block_size
     ctx = ForwardContext(to_device(slots, device), num_decode_tokens=num_decode)
     if decode:
-        ctx.decode = AttentionMetadata(
-            is_prefill=False, block_tables=to_device(block_tables[:num_decode], device),
-            context_lens=to_device(positions_t[:num_decode].int() + 1, device))
+        lens = positions_t[:num_decode].int() + 1
+        ctx.decode = AttentionMetadata(to_device(block_tables[:num_decode], device),
+                                       context_lens=to_device(lens, device))
     if prefill:
         ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:], device)
         ctx.logits_indices = to_device(_logits_indices(seqs, lens_q), device)
@@ -77,14 +79,7 @@ def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,
     cu_seqlens = to_device(cu_seqlens, device)
     has_prefix = any(seq.num_cached_tokens for seq in seqs)
     return AttentionMetadata(
-        is_prefill=True, block_tables=to_device(block_tables, device) if has_prefix else None,
+        block_tables=to_device(block_tables, device) if has_prefix else None,
         cu_seqlens_q=cu_seqlens[0], cu_seqlens_k=cu_seqlens[1],
         max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
         seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-
-
-def _block_tables(seqs: list[Sequence]) -> torch.Tensor:
-    """[num_seqs, max_blocks] int32, padded with -1."""
-    width = max(len(seq.block_table) for seq in seqs)
-    return torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
-                        dtype=torch.int32)
