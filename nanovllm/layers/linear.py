@@ -1,11 +1,10 @@
-"""Linear layers that shard over the tensor-parallel group current when they are built:
+"""Linear layers sharded over the tensor-parallel group current when they are built; each
+parameter's `weight_loader(param, loaded, shard_id=None)` copies its shard of the checkpoint.
 
     ColumnParallelLinear   y = x W^T, W split by output rows: each rank has out/N rows
     RowParallelLinear      W split by input columns; partial sums are all-reduced
     Merged/QKV variants    several checkpoint tensors packed into one column-parallel W
-
-Each parameter's `weight_loader(param, loaded, shard_id=None)` copies its own shard out of
-the full checkpoint tensor, so the loader stays a loop."""
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -1,11 +1,6 @@
-"""Rotary position embedding (the "rotate half" layout of Qwen, Llama and Mistral).
-
-    default   inv_freq[i] = rope_theta ** (-2i / head_dim)
-    llama3    Llama 3.1's scaling: wavelengths longer than original_max_position_embeddings
-              / low_freq_factor are divided by `factor`, shorter than .../high_freq_factor
-              kept, the band between interpolated smoothly
-
-Layers with the same RoPE share one [max_position, head_dim] cos/sin cache (Qwen3's is 20 MiB)."""
+"""Rotary position embedding ("rotate half", as Qwen, Llama and Mistral): inv_freq[i] =
+rope_theta ** (-2i / head_dim), or Llama 3.1's scaling of it (`llama3`). Layers with the same
+RoPE share one [max_position, head_dim] cos/sin cache (Qwen3's: 20 MiB)."""
 import json
 import math
 import weakref
@@ -80,7 +75,8 @@ def _default_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 
 
 def _llama3_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """Hugging Face's _compute_llama3_parameters, step for step (so float32 rounds alike)."""
+    """Wavelengths above original_max_position_embeddings / low_freq_factor divided by factor,
+    below .../high_freq_factor kept, smoothed between; HF's code step for step (same rounding)."""
     inv_freq = _default_inv_freq(head_dim, params)
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     old_context_len = params["original_max_position_embeddings"]

@@ -11,7 +11,6 @@ smallest size >= n from static buffers whose rows n.. are padding (README, "CUDA
 
 The block-table buffer holds max_model_len + 1 tokens' blocks (nano-vLLM issue #106)."""
 from bisect import bisect_left
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,26 +34,24 @@ def block_table_width(max_model_len: int, block_size: int) -> int:
     return cdiv(max_model_len + 1, block_size)
 
 
-@dataclass(slots=True)
-class DecodeBuffers:
-    """The static inputs and output every graph reads and writes; rows = max batch."""
-    input_ids: torch.Tensor     # [rows] int64
-    positions: torch.Tensor     # [rows] int64
-    slot_mapping: torch.Tensor  # [rows] int64, -1 = padding
-    context_lens: torch.Tensor  # [rows] int32, 0 = padding
-    block_tables: torch.Tensor  # [rows, width] int32, -1 past each row's blocks
-    outputs: torch.Tensor       # [rows, hidden_size] the model's hidden states
+class CUDAGraphRunner:
+    """The decode graphs of one model, their memory pool and the static buffers they read
+    and write (rows: the largest batch; every row padding until a batch is loaded)."""
 
-    @classmethod
-    def allocate(cls, rows: int, width: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> "DecodeBuffers":
-        """Every row padding: safe to run before any batch is loaded."""
+    def __init__(self, model: nn.Module, hidden_size: int, max_num_seqs: int,
+                 max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.device = device
+        self.batch_sizes = capture_batch_sizes(max_num_seqs)
+        rows, width = self.batch_sizes[-1], block_table_width(max_model_len, block_size)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        return cls(input_ids=torch.zeros(rows, **i64), positions=torch.zeros(rows, **i64),
-                   slot_mapping=torch.full((rows,), -1, **i64),
-                   context_lens=torch.zeros(rows, **i32),
-                   block_tables=torch.full((rows, width), -1, **i32),
-                   outputs=torch.zeros(rows, hidden_size, dtype=dtype, device=device))
+        self.input_ids, self.positions = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
+        self.slot_mapping = torch.full((rows,), -1, **i64)
+        self.context_lens = torch.zeros(rows, **i32)
+        self.block_tables = torch.full((rows, width), -1, **i32)
+        self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)  # hidden states
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the memory pool every graph shares
 
     def metadata(self, size: int) -> ForwardContext:
         """A decode step viewing the first `size` rows (what a graph captures)."""
@@ -74,21 +71,6 @@ class DecodeBuffers:
         self.context_lens[:n].copy_(ctx.decode.context_lens)
         self.block_tables[:size].fill_(-1)
         self.block_tables[:n, :width].copy_(ctx.decode.block_tables)
-
-
-class CUDAGraphRunner:
-    """The decode graphs of one model and their static buffers and memory pool."""
-
-    def __init__(self, model: nn.Module, hidden_size: int, max_num_seqs: int,
-                 max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        self.model = model
-        self.device = device
-        self.batch_sizes = capture_batch_sizes(max_num_seqs)
-        self.buffers = DecodeBuffers.allocate(self.batch_sizes[-1],
-                                              block_table_width(max_model_len, block_size),
-                                              hidden_size, dtype, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None  # the memory pool every graph shares
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -113,7 +95,7 @@ class CUDAGraphRunner:
 
     def _capture(self, size: int) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        with attention_context(self.buffers.metadata(size)):
+        with attention_context(self.metadata(size)):
             self._forward(size)  # eagerly first: Triton and torch.compile compile here
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
@@ -124,19 +106,20 @@ class CUDAGraphRunner:
         return graph
 
     def _forward(self, size: int) -> None:
-        b = self.buffers
-        b.outputs[:size] = self.model(b.input_ids[:size], b.positions[:size])
+        self.outputs[:size] = self.model(self.input_ids[:size], self.positions[:size])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [n, hidden_size]: a view of the output buffer, valid until a replay."""
         n = input_ids.shape[0]
         size = self.batch_sizes[bisect_left(self.batch_sizes, n)]
-        self.buffers.load(input_ids, positions, ctx, size)
+        self.load(input_ids, positions, ctx, size)
         self.graphs[size].replay()
-        return self.buffers.outputs[:n]
+        return self.outputs[:n]
 
     def close(self) -> None:
         for graph in self.graphs.values():
             graph.reset()
-        self.graphs, self.pool, self.buffers = {}, None, None
+        self.graphs, self.pool = {}, None
+        self.input_ids = self.positions = self.slot_mapping = None  # and the static buffers
+        self.context_lens = self.block_tables = self.outputs = None
