@@ -63,10 +63,9 @@ class TorchBackend:
         return out
 
     def _decode_groups(self, ctx: AttentionMetadata, block_size: int) -> list["DecodeGroup"]:
-        """The step's plan, made by the first layer and reused by the rest. CPU: groups of
-        DECODE_GROUP_SIZE by context length, each padded to its own longest and small enough
-        to stay in cache (several times faster than one padded batch of 128). Elsewhere one
-        group of static shape, no host sync, so a CUDA graph can capture it."""
+        """Made by a step's first layer, reused by the rest. CPU: groups by context length, each
+        padded to its own longest, small enough to stay in cache (several times faster than one
+        padded batch of 128). Elsewhere one group of static shape: no host sync, capturable."""
         if self._decode_step is not None and self._decode_step[0] is ctx:
             return self._decode_step[1]
         lens, block_tables, n = ctx.context_lens, ctx.block_tables, DECODE_GROUP_SIZE

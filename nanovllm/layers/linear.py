@@ -65,11 +65,12 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs side by side (gate_proj | up_proj); shard_id is
-    the index of the checkpoint tensor."""
+    """Column-parallel outputs side by side (gate_proj | up_proj); shard_id: which one."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        self.output_sizes = output_sizes  # each divisible by the TP size (Config checked)
+        self.output_sizes = output_sizes
+        # Each part is sharded on its own, so each (not just the sum) must divide.
+        assert all(size % get_tp_group().size == 0 for size in output_sizes), output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:

@@ -3,13 +3,11 @@
     probs = softmax(router_logits)            [num_tokens, num_experts], in float32
     topk_weights, topk_ids = topk(probs, k)   rescaled to sum to 1 when norm_topk_prob
     out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j]
-
     w13_weight [num_experts, 2 * intermediate / tp, hidden]   each expert's gate | up (vLLM's)
     w2_weight  [num_experts, hidden, intermediate / tp]       each expert's down
 
-TP shards every expert's intermediate dim, so a rank's output is a partial sum, all-reduced
-once per layer; the router is replicated. The experts run as fused_moe_torch on the CPU and
-as the Triton grouped GEMM (kernels/fused_moe.py, no host sync: graph-capturable) on CUDA."""
+TP shards every expert's intermediate dim: a partial sum per rank, all-reduced once per layer;
+the router is replicated. On CUDA: the Triton grouped GEMM (kernels/fused_moe.py), capturable."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,8 +23,7 @@ _EXPERT_PROJECTIONS = (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"),
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [num_tokens, num_experts] -> (topk_weights, topk_ids), each
-    [num_tokens, top_k]; the weights in the logits' dtype, as transformers casts them."""
+    """[num_tokens, num_experts] -> (weights, ids) [num_tokens, top_k], as transformers casts."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     topk_weights, topk_ids = probs.topk(top_k, dim=-1)
     if renormalize:

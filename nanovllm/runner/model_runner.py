@@ -36,9 +36,8 @@ class SamplerOutput(NamedTuple):
 
 
 class ModelRunner:
-    """Built in this order: the model (on CUDA with compiled small ops), then on CUDA the
-    memory measurements (graph pool, warmup), the KV cache, and the decode CUDA graphs,
-    which hold the cache's address."""
+    """Built in order: the model (CUDA: compiled small ops), on CUDA the memory measurements
+    (graph pool, warmup), the KV cache, then the decode graphs, which hold its address."""
 
     def __init__(self, config: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
         """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main (`rendezvous`)."""
@@ -73,8 +72,7 @@ class ModelRunner:
             self.graph_runner.capture()  # after the KV cache: the graphs hold its address
 
     def _init_tensor_parallel(self, rendezvous: Rendezvous | None) -> TPGroup:
-        """Rank 0 spawns ranks 1..N-1 and stops them when it is closed, garbage-collected
-        or at interpreter exit; a spawned rank joins rank 0's process group."""
+        """Rank 0 spawns ranks 1..N-1 (stopped at close, collection or exit); they join it."""
         if self.config.tensor_parallel_size == 1:
             return SINGLE_RANK
         if not dist.is_available():
