@@ -61,10 +61,11 @@ class ModelRunner:
             layer.backend = self.backend
         # Penalties' per-sequence token counts (rank 0 samples); no memory until used.
         self.token_counts = TokenCounts(config.hf_config.vocab_size, self.device)
-        self.graph_runner = CUDAGraphRunner(
-            self.model, config.hf_config.hidden_size, config.max_num_seqs, config.max_model_len,
-            self.block_size, self.dtype, self.device,
-        ) if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name) else None
+        self.graph_runner = None
+        if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name):
+            self.graph_runner = CUDAGraphRunner(
+                self.model, config.hf_config.hidden_size, config.max_num_seqs,
+                config.max_model_len, self.block_size, self.dtype, self.device)
         if is_cuda and config.num_kvcache_blocks > 0:
             self.warmup()  # nothing to size, but kernels compile now rather than in a step
         self.num_kvcache_blocks = self.allocate_kv_cache()
@@ -122,8 +123,8 @@ class ModelRunner:
         """Blocks within the memory budget, at most what max_num_seqs full-length sequences use."""
         config = self.config
         if self.device.type == "cuda":
-            budget, hint = self._cuda_kv_budget(), ("lower max_model_len / max_num_batched_tokens"
-                                                    " or raise gpu_memory_utilization")
+            budget = self._cuda_kv_budget()
+            hint = "lower max_model_len / max_num_batched_tokens or raise gpu_memory_utilization"
         else:
             budget, hint = int(config.cpu_kvcache_space_gib * 2**30), "raise cpu_kvcache_space_gib"
         block = math.prod(kv_cache_shape(self.attention_layers, 1, self.block_size))
