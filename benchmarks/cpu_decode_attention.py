@@ -35,7 +35,7 @@ def decode_step(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     for i, n in enumerate(blocks.tolist()):
         tables[i, :n] = ids[start:start + n]
         start += n
-    ctx = AttentionMetadata(is_prefill=False, block_tables=tables, context_lens=lens)
+    ctx = AttentionMetadata(block_tables=tables, context_lens=lens)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)
     return q, cache[0], cache[1], ctx
 

@@ -161,7 +161,8 @@ def test_closing_releases_the_graphs_and_the_kv_cache(checkpoints):
         llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
         graphs = llm.model_runner.graph_runner
         llm.close()
-        assert graphs.graphs == {} and graphs.buffers is None
+        assert graphs.graphs == {} and all(getattr(graphs, buffer) is None for buffer in (
+            "input_ids", "positions", "slot_mapping", "context_lens", "block_tables", "outputs"))
         del llm, graphs
         gc.collect()
         torch.cuda.empty_cache()

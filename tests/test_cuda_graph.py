@@ -6,8 +6,8 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
-from nanovllm.runner.cuda_graph import (CUDAGraphRunner, DecodeBuffers, block_table_width,
-                                        capture_batch_sizes, use_cuda_graphs)
+from nanovllm.runner.cuda_graph import (CUDAGraphRunner, block_table_width, capture_batch_sizes,
+                                        use_cuda_graphs)
 
 from conftest import hf_greedy
 from graph_cases import (BLOCK, EDGE_MAX_MODEL_LEN, edge_of_max_model_len, graph_workload,
@@ -44,15 +44,15 @@ def test_graphs_only_on_cuda_with_a_capturable_backend_and_not_under_enforce_eag
 
 def decode_metadata(block_tables: list[list[int]], slots: list[int],
                     context_lens: list[int]) -> ForwardContext:
-    decode = AttentionMetadata(is_prefill=False,
-                               block_tables=torch.tensor(block_tables, dtype=torch.int32),
+    decode = AttentionMetadata(block_tables=torch.tensor(block_tables, dtype=torch.int32),
                                context_lens=torch.tensor(context_lens, dtype=torch.int32))
     return ForwardContext(torch.tensor(slots), decode=decode, num_decode_tokens=len(slots))
 
 
 def test_loading_a_batch_pads_its_rows_and_clears_what_the_last_one_left():
-    buffers = DecodeBuffers.allocate(rows=8, width=4, hidden_size=2, dtype=torch.float32,
-                                     device=CPU)
+    # 8 rows; a block table of 4 blocks of 4 holds max_model_len 15 + the decoded token
+    buffers = CUDAGraphRunner(None, hidden_size=2, max_num_seqs=8, max_model_len=15, block_size=4,
+                              dtype=torch.float32, device=CPU)
     wide = decode_metadata([[5, 6, 7], [1, 2, -1], [3, -1, -1], [4, 9, 8]], [40, 17, 50, 70],
                            [41, 18, 3, 35])
     buffers.load(torch.tensor([11, 12, 13, 14]), torch.tensor([40, 17, 2, 34]), wide, size=4)
@@ -83,7 +83,7 @@ class _EagerReplay:
         self.runner, self.size = runner, size
 
     def replay(self) -> None:
-        with attention_context(self.runner.buffers.metadata(self.size)):
+        with attention_context(self.runner.metadata(self.size)):
             self.runner._forward(self.size)
 
     def reset(self) -> None:

@@ -46,8 +46,7 @@ def paged_batch(lengths, block_size=4, num_kv_heads=2, head_dim=8, seed=0, dtype
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    ctx = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(len(lengths), dtype=torch.long),
-                            block_tables=block_tables,
+    ctx = AttentionMetadata(block_tables=block_tables,
                             context_lens=torch.tensor(lengths, dtype=torch.int32))
     return k_cache, v_cache, tables, ctx
 
@@ -95,8 +94,7 @@ def test_prefill_after_a_cached_prefix_equals_attention_written_out():
     k_cache, v_cache, tables, decode_ctx = paged_batch(seqlens_k)  # every slot holds K/V
     q = torch.randn(sum(chunk_lens), 4, 8, generator=torch.Generator().manual_seed(1))
     unused = torch.full((sum(chunk_lens), 2, 8), float("nan"))  # keys come from the cache
-    ctx = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(len(q), dtype=torch.long),
-                            block_tables=decode_ctx.block_tables, cu_seqlens_q=cu_seqlens(chunk_lens),
+    ctx = AttentionMetadata(block_tables=decode_ctx.block_tables, cu_seqlens_q=cu_seqlens(chunk_lens),
                             cu_seqlens_k=cu_seqlens(seqlens_k), max_seqlen_q=max(chunk_lens),
                             max_seqlen_k=max(seqlens_k), seqlens_q=chunk_lens, seqlens_k=seqlens_k)
     out = TorchBackend().prefill(q, unused, unused, k_cache, v_cache, ctx, scale=0.3)

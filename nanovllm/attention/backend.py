@@ -1,10 +1,6 @@
-"""The attention backend interface, and which backend runs where.
-
-Each step, an attention layer (1) writes the new tokens' K/V into their cache slots
-(`slot_mapping`, -1 = skip) and (2) attends:
-  prefill  each sequence's chunk of queries over its keys (cached prefix + chunk), causal;
-  decode   one query per sequence over its `context_lens` cached keys.
-"""
+"""The attention backend interface, and which backend runs where. Each step a layer writes
+the new K/V into their cache slots (`slot_mapping`, -1 = skip), then attends: prefill chunks
+causally over their cached prefix and themselves, decode rows over `context_lens` keys."""
 import importlib
 from typing import Protocol
 
@@ -32,9 +28,8 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
-    """The backend for `attention_backend=name`. "auto": flash_attn where it can run, else
-    triton on CUDA, else torch. A named backend that cannot run is a ValueError saying why.
-    triton and flash-attn are imported only when chosen."""
+    """"auto": flash_attn where it can run, else triton on CUDA, else torch. A named backend
+    that cannot run is a ValueError saying why; triton and flash-attn are imported if chosen."""
     if name == "auto":
         candidates = ("flash_attn", "triton") if device.type == "cuda" else ()
         name = next((n for n in candidates if _why_not(n, device, block_size) is None), "torch")
@@ -52,7 +47,7 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
 
 
 def _why_not(name: str, device: torch.device, block_size: int) -> str | None:
-    """Why backend `name` ("triton" or "flash_attn") cannot run here; None if it can."""
+    """Why "triton" or "flash_attn" cannot run here; None if it can."""
     if name == "flash_attn":
         if device.type != "cuda":
             return f"flash-attn needs a CUDA device, not {device.type}; use 'torch'"

@@ -1,7 +1,5 @@
-"""The `flash_attn` attention backend: nano-vLLM's path, used when flash-attn is installed
-(CUDA only; its paged KV cache needs kvcache_block_size % 256 == 0). flash-attn is
-imported when the backend is built, never at nanovllm's import; new K/V rows are written
-by our Triton store_kvcache kernel."""
+"""The `flash_attn` backend (CUDA; kvcache_block_size % 256 == 0): flash-attn imported when
+it is built, never at nanovllm's import; new K/V rows written by our Triton kernel."""
 import torch
 
 from nanovllm.kernels import store_kvcache

@@ -1,6 +1,4 @@
-"""Per-step attention metadata: the model runner fills a ForwardContext, the attention
-layers and the LM head read it, inside `attention_context(...)` only (a failed step
-cannot leak it into the next)."""
+"""Per-step attention metadata, set by the runner inside `attention_context(...)` only."""
 from dataclasses import dataclass
 
 import torch
@@ -10,19 +8,14 @@ from nanovllm.utils import Scoped
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """What a backend's prefill or decode reads. Tensors live on the model's device; the
-    lists are host copies for CPU-side loops.
-
-    Prefill (a chunk of each sequence; keys = cached prefix + the chunk):
+    """What a backend's prefill or decode reads (tensors on the model's device, lists on the
+    host). Prefill: a chunk of each sequence over keys = its cached prefix + the chunk:
 
         sequence i:  [ cached prefix | chunk (seqlen_q) ]
                      0          seqlen_k - seqlen_q      seqlen_k
 
-    Decode: one query token per sequence, attending over `context_lens` tokens.
-    """
+    Decode: one query token per sequence, attending over `context_lens` tokens."""
 
-    is_prefill: bool
-    slot_mapping: torch.Tensor | None = None   # [num_tokens] cache slot of each new K/V; -1 = skip
     block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] (-1 padded); None: no prefix
     # prefill
     cu_seqlens_q: torch.Tensor | None = None   # [num_seqs + 1] int32
@@ -57,6 +50,5 @@ attention_context = _current.scope
 
 
 def get_context() -> ForwardContext:
-    if _current.value is None:
-        raise RuntimeError("attention metadata is only available inside attention_context()")
+    assert _current.value is not None, "attention metadata exists only inside attention_context()"
     return _current.value

@@ -1,11 +1,7 @@
-"""The `torch` attention backend: plain PyTorch, runs on any device; the reference the
-Triton kernels are tested against, and the CPU path.
-
-Prefill: one scaled_dot_product_attention per sequence over its chunk (and its cached
-prefix, gathered from its block table). Decode on a CPU: a C++ kernel reading the paged
-cache directly (kernels/cpu_decode.py) where it builds; else, and on other devices, the
-K/V rows in use are gathered into a dense copy and attended with one call per group of
-sequences (on the CPU: sorted by context length, DECODE_GROUP_SIZE per group)."""
+"""The `torch` backend: plain PyTorch on any device, the reference the Triton kernels are
+tested against. Prefill: one SDPA per sequence over its chunk and cached prefix. Decode on a
+CPU: the C++ kernel (kernels/cpu_decode.py) where it builds; else the K/V rows in use are
+gathered into a dense copy, attended per group of sequences (CPU: sorted by length)."""
 from typing import NamedTuple
 
 import torch
@@ -13,6 +9,7 @@ import torch.nn.functional as F
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels import cpu_decode
+from nanovllm.utils import cdiv
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -25,7 +22,7 @@ class TorchBackend:
     def __init__(self, native_cpu_decode: bool = True) -> None:
         """native_cpu_decode=False: the gathering decode on the CPU too (the reference)."""
         # (the step's metadata, its decode plan): shared by every layer of that step
-        self._decode_step: tuple[AttentionMetadata, DecodePlan] | None = None
+        self._decode_step: tuple[AttentionMetadata, list["DecodeGroup"]] | None = None
         self.native_cpu_decode = native_cpu_decode
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -57,65 +54,51 @@ class TorchBackend:
             if (library := cpu_decode.load()) is not None:
                 return cpu_decode.paged_decode(library, q, k_cache, v_cache, ctx.block_tables,
                                                ctx.context_lens, scale)
-        plan = self._decode_plan(ctx, k_cache.shape[1])
-        if plan.order is None:
-            return _decode_group(q, k_cache, v_cache, plan.groups[0], scale)
-        q = q.index_select(0, plan.order)
-        out = [_decode_group(q[g.start:g.start + len(g.slots)], k_cache, v_cache, g, scale)
-               for g in plan.groups]
-        return torch.cat(out).index_select(0, plan.restore)
+        groups = self._decode_groups(ctx, k_cache.shape[1])
+        if groups[0].rows is None:
+            return _decode_group(q, k_cache, v_cache, groups[0], scale)
+        out = torch.empty_like(q)
+        for g in groups:
+            out.index_copy_(0, g.rows, _decode_group(q[g.rows], k_cache, v_cache, g, scale))
+        return out
 
-    def _decode_plan(self, ctx: AttentionMetadata, block_size: int) -> "DecodePlan":
-        """The step's plan, made by the first layer and reused by the rest.
-
-        On the CPU, sequences sorted by context length go in groups of
-        DECODE_GROUP_SIZE: each group is padded only to its own longest context, and its
-        gathered K/V stay small enough to be cache-friendly (several times faster than
-        one padded batch for 128 sequences). Elsewhere one group of static shape, with
-        no host sync, so the step can be captured in a CUDA graph.
-        """
+    def _decode_groups(self, ctx: AttentionMetadata, block_size: int) -> list["DecodeGroup"]:
+        """Made by a step's first layer, reused by the rest. CPU: groups by context length, each
+        padded to its own longest, small enough to stay in cache (several times faster than one
+        padded batch of 128). Elsewhere one group of static shape: no host sync, capturable."""
         if self._decode_step is not None and self._decode_step[0] is ctx:
             return self._decode_step[1]
-        lens, block_tables = ctx.context_lens, ctx.block_tables
-        if lens.device.type != "cpu" or len(lens) <= DECODE_GROUP_SIZE:
-            width = (block_tables.shape[1] * block_size if lens.device.type != "cpu"
-                     else int(lens.max()))
-            plan = DecodePlan(None, None,
-                              [DecodeGroup(0, *slot_matrix(block_tables, lens, width, block_size))])
+        lens, block_tables, n = ctx.context_lens, ctx.block_tables, DECODE_GROUP_SIZE
+        if lens.device.type != "cpu":
+            width = block_tables.shape[1] * block_size
+            groups = [DecodeGroup(None, *slot_matrix(block_tables, lens, width, block_size))]
         else:
             lens, order = lens.sort(descending=True)
             host_lens = lens.tolist()
             slots, valid = slot_matrix(block_tables.index_select(0, order), lens, host_lens[0],
                                        block_size)
-            groups = [DecodeGroup(i, slots[i:i + DECODE_GROUP_SIZE, :host_lens[i]].contiguous(),
-                                  valid[i:i + DECODE_GROUP_SIZE, ..., :host_lens[i]])
-                      for i in range(0, len(host_lens), DECODE_GROUP_SIZE)]
-            plan = DecodePlan(order, order.argsort(), groups)
-        self._decode_step = (ctx, plan)
-        return plan
+            groups = [DecodeGroup(order[i:i + n], slots[i:i + n, :host_lens[i]].contiguous(),
+                                  valid[i:i + n, ..., :host_lens[i]])
+                      for i in range(0, len(host_lens), n)]
+        self._decode_step = (ctx, groups)
+        return groups
 
 
 DECODE_GROUP_SIZE = 8
 
 
 class DecodeGroup(NamedTuple):
-    """Consecutive rows of the (sorted) batch that decode in one attention call."""
+    """Rows of the batch that decode in one attention call."""
 
-    start: int             # its first row
-    slots: torch.Tensor    # [n, max_len] cache slot of each context token (padding: 0)
-    mask: torch.Tensor     # [n, 1, 1, max_len] True for real tokens
-
-
-class DecodePlan(NamedTuple):
-    order: torch.Tensor | None    # batch rows by context length, longest first; None: as is
-    restore: torch.Tensor | None  # the inverse permutation, back to batch order
-    groups: list[DecodeGroup]
+    rows: torch.Tensor | None  # [n] their batch rows, longest context first; None: all, as is
+    slots: torch.Tensor        # [n, max_len] cache slot of each context token (padding: 0)
+    mask: torch.Tensor         # [n, 1, 1, max_len] True for real tokens
 
 
 def slot_matrix(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int,
                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slot of each sequence's first max_len positions, [n, max_len] (0 past
-    the context), and which are real, [n, 1, 1, max_len]."""
+    """Cache slots of each sequence's first max_len positions [n, max_len] (0 past its
+    context), and which are real [n, 1, 1, max_len]."""
     pos = torch.arange(max_len, device=context_lens.device)
     blocks = block_tables.index_select(1, pos // block_size).long()
     valid = pos < context_lens[:, None]
@@ -127,31 +110,23 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   group: DecodeGroup, scale: float) -> torch.Tensor:
     """q [n, heads, dim] -> [n, heads, dim], one query per sequence."""
     n, max_len = group.slots.shape
-    # [n, num_kv_heads, max_len, head_dim]: a copy of only the rows in use
-    k = _rows(k_cache, group.slots.view(-1)).view(n, max_len, *k_cache.shape[2:]).transpose(1, 2)
-    v = _rows(v_cache, group.slots.view(-1)).view(n, max_len, *v_cache.shape[2:]).transpose(1, 2)
+    # [n, num_kv_heads, max_len, head_dim]: a copy of only the rows in use (index_select,
+    # not cache[slots]: several times faster on the CPU)
+    k, v = (cache.flatten(0, 1).index_select(0, group.slots.view(-1))
+            .view(n, max_len, *cache.shape[2:]).transpose(1, 2) for cache in (k_cache, v_cache))
     return _sdpa_gqa(q.unsqueeze(2), k, v, group.mask, scale).squeeze(2)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens' rows of one sequence: [length, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    blocks = block_table[:cdiv(length, block_size)].long()
     return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
-def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, ...] rows at flat slots: [len(slots), ...].
-    index_select, not cache[slots]: on the CPU it is several times faster."""
-    return cache.flatten(0, 1).index_select(0, slots)
-
-
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence whose queries are its last len(q) positions.
-
-    q [len_q, heads, dim]; k, v [len_k, kv_heads, dim] with len_k >= len_q.
-    Query j sits at position len_k - len_q + j and sees keys up to there.
-    """
+    """Causal attention of one sequence: q [len_q, heads, dim]; k, v [len_k, kv_heads, dim],
+    len_k >= len_q; query j sits at position len_k - len_q + j and sees keys up to there."""
     len_q, len_k = q.shape[0], k.shape[0]
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if len_q == len_k:

@@ -1,6 +1,4 @@
-"""The `triton` attention backend: our own kernels (nanovllm/kernels), the GPU default
-where flash-attn is missing. Importing it imports triton; the kernels run on CUDA, or on
-a CPU in Triton's interpreter (TRITON_INTERPRET=1, for tests)."""
+"""The `triton` backend: our kernels, on CUDA or in Triton's interpreter (TRITON_INTERPRET=1)."""
 import torch
 
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache

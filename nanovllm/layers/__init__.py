@@ -1,2 +1,1 @@
-"""Model building blocks: linear layers that shard for tensor parallelism, embeddings,
-norms, rotary embedding, activation and the attention layer."""
+"""Model building blocks: tensor-parallel linears, embeddings, norms, RoPE, attention."""

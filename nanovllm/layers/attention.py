@@ -1,5 +1,4 @@
-"""The attention layer a model uses: stores the step's new K/V in its slice of the paged
-cache, then attends through the backend (nanovllm/attention)."""
+"""The attention layer: stores the step's new K/V in its cache, attends through the backend."""
 import torch
 from torch import nn
 
@@ -19,8 +18,7 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """A mixed batch's decode rows and prefill chunks go to the backend's decode and
-        prefill, after every new K/V (decode's and the chunks') is in the cache."""
+        """Decode rows, then prefill chunks, once every new K/V is in the cache."""
         ctx = get_context()
         if self.k_cache.numel():  # no cache yet during the memory-profiling warmup
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)

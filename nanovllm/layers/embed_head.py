@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention.metadata import get_context
-from nanovllm.layers.linear import copy_checked, divide
+from nanovllm.layers.linear import default_weight_loader, divide
 from nanovllm.distributed.group import get_tp_group
 
 
@@ -23,7 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         if loaded.shape[0] != self.num_embeddings:
             raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
                              f"({self.num_embeddings}, {param.shape[1]})")
-        copy_checked(param, loaded.narrow(0, self.vocab_start, self.shard_size))
+        default_weight_loader(param, loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -36,8 +36,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the last token of each sequence only (all of them in decode),
-    gathered on rank 0, the only rank that samples."""
+    """Logits of the rows the step asks for (logits_indices), gathered on rank 0, which samples."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         indices = get_context().logits_indices

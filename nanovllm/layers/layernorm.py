@@ -16,15 +16,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @HotOp
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual); the add in the input dtype, as the
-    reference model does."""
+    """(rms_norm(x + residual), x + residual), the add in the input dtype as transformers'."""
     x = x + residual
     return rms_norm.eager(x, weight, eps), x
 
 
 class RMSNorm(nn.Module):
-    """With `residual`, adds it first and returns (normed, new_residual), saving the
-    decoder layer a separate add."""
+    """With `residual`: adds it first and returns (normed, new_residual)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

@@ -1,12 +1,9 @@
-"""Linear layers that shard over tensor-parallel ranks (Megatron style).
+"""Linear layers sharded over the tensor-parallel group current when they are built; each
+parameter's `weight_loader(param, loaded, shard_id=None)` copies its shard of the checkpoint.
 
     ColumnParallelLinear   y = x W^T, W split by output rows: each rank has out/N rows
     RowParallelLinear      W split by input columns; partial sums are all-reduced
     Merged/QKV variants    several checkpoint tensors packed into one column-parallel W
-
-Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that
-copies its own shard out of the full checkpoint tensor, so the loader stays a loop.
-A layer shards over the tensor-parallel group current when it is built (parallel_state).
 """
 import torch
 import torch.nn.functional as F
@@ -21,15 +18,12 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy `loaded` into `param` (or a view of it), refusing another shape."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
                          f"{tuple(param.shape)}")
     param.data.copy_(loaded)
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    copy_checked(param, loaded)
 
 
 class LinearBase(nn.Module):
@@ -50,6 +44,13 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def _rank_slice(self, loaded: torch.Tensor, dim: int, shard_size: int) -> torch.Tensor:
+        """This rank's shard_size rows (dim 0) or columns (dim 1) of a checkpoint tensor."""
+        if loaded.dim() <= dim or loaded.shape[dim] != shard_size * self.tp_size:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not have the expected "
+                             f"{shard_size * self.tp_size} {('rows', 'columns')[dim]}")
+        return loaded.narrow(dim, self.tp_rank * shard_size, shard_size)
+
 
 class ReplicatedLinear(LinearBase):
     """The full weight on every rank (e.g. an MoE router)."""
@@ -60,18 +61,11 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_checked(param, self._rank_slice(loaded, param.shape[0]))
-
-    def _rank_slice(self, loaded: torch.Tensor, shard_size: int) -> torch.Tensor:
-        if loaded.shape[0] != shard_size * self.tp_size:
-            raise ValueError(f"shape {tuple(loaded.shape)} has {loaded.shape[0]} output rows, "
-                             f"expected {shard_size * self.tp_size}")
-        return loaded.narrow(0, self.tp_rank * shard_size, shard_size)
+        default_weight_loader(param, self._rank_slice(loaded, 0, param.shape[0]))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs side by side (gate_proj | up_proj); shard_id is
-    the index of the checkpoint tensor."""
+    """Column-parallel outputs side by side (gate_proj | up_proj); shard_id: which one."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
@@ -82,7 +76,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        copy_checked(param.data.narrow(0, offset, size), self._rank_slice(loaded, size))
+        default_weight_loader(param.data.narrow(0, offset, size), self._rank_slice(loaded, 0, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -98,11 +92,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
                         "v": (q_size + kv_size, kv_size)}[shard_id]
-        copy_checked(param.data.narrow(0, offset, size), self._rank_slice(loaded, size))
+        default_weight_loader(param.data.narrow(0, offset, size), self._rank_slice(loaded, 0, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -110,14 +103,9 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, get_tp_group().size), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 1:  # the bias is not sharded: every rank holds all of it
-            copy_checked(param, loaded)
-            return
-        shard = param.shape[1]
-        if loaded.dim() != 2 or loaded.shape[1] != shard * self.tp_size:
-            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
-                             f"({param.shape[0]}, {shard * self.tp_size})")
-        copy_checked(param, loaded.narrow(1, self.tp_rank * shard, shard))
+        if param.dim() == 2:  # the bias is not sharded: every rank holds all of it
+            loaded = self._rank_slice(loaded, 1, param.shape[1])
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by rank 0, not once per rank by the all-reduce.

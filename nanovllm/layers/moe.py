@@ -3,28 +3,17 @@
     probs = softmax(router_logits)            [num_tokens, num_experts], in float32
     topk_weights, topk_ids = topk(probs, k)   rescaled to sum to 1 when norm_topk_prob
     out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j]
-
-The weights as vLLM's FusedMoE holds them, one tensor per projection for all experts:
-
-    w13_weight [num_experts, 2 * intermediate / tp, hidden]   each expert's gate | up
+    w13_weight [num_experts, 2 * intermediate / tp, hidden]   each expert's gate | up (vLLM's)
     w2_weight  [num_experts, hidden, intermediate / tp]       each expert's down
 
-Tensor parallelism shards every expert's intermediate dimension (each rank holds a slice
-of every expert, as vLLM does): a rank's output is a partial sum, all-reduced once per
-layer like a RowParallelLinear's. The router is replicated, so all ranks pick alike.
-
-The experts run as fused_moe_torch below on the CPU (the reference: tokens grouped by
-expert, one matmul pair per expert that has any) and as the Triton grouped GEMM of
-kernels/fused_moe.py on CUDA, which needs no host sync and so fits in a CUDA graph.
-"""
-from collections.abc import Callable
-
+TP shards every expert's intermediate dim: a partial sum per rank, all-reduced once per layer;
+the router is replicated. On CUDA: the Triton grouped GEMM (kernels/fused_moe.py), capturable."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.linear import copy_checked, divide
+from nanovllm.layers.linear import default_weight_loader, divide
 from nanovllm.distributed.group import get_tp_group
 
 # checkpoint projection -> (our parameter, vLLM's shard name)
@@ -34,8 +23,7 @@ _EXPERT_PROJECTIONS = (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"),
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [num_tokens, num_experts] -> (topk_weights, topk_ids), each
-    [num_tokens, top_k]; the weights in the logits' dtype, as transformers casts them."""
+    """[num_tokens, num_experts] -> (weights, ids) [num_tokens, top_k], as transformers casts."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     topk_weights, topk_ids = probs.topk(top_k, dim=-1)
     if renormalize:
@@ -45,9 +33,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The reference: hidden_states [num_tokens, hidden]; w13 [E, 2 * I, hidden];
-    w2 [E, hidden, I]; topk_* [num_tokens, top_k]. Returns [num_tokens, hidden].
-    Contributions are added expert by expert in ascending order, as transformers does."""
+    """The reference: hidden_states [num_tokens, hidden]; w13 [E, 2 * I, hidden]; w2 [E, hidden,
+    I]; topk_* [num_tokens, top_k] -> [num_tokens, hidden], expert by expert as transformers."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()                   # pair p = token * top_k + slot
     order = flat_ids.argsort(stable=True)           # pairs grouped by expert
@@ -83,12 +70,14 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * shard, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, shard))
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
-        self._experts = _experts_function(torch.get_default_device())
+        self._experts = fused_moe_torch
+        if torch.get_default_device().type == "cuda":  # imports triton only then
+            from nanovllm.kernels.fused_moe import fused_moe
+            self._experts = fused_moe
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str]) -> None:
-        """One expert's gate_proj ("w1"), up_proj ("w3") or down_proj ("w2"), whole as the
-        checkpoint has it; this rank's slice of its intermediate dimension is copied."""
+        """This rank's slice of one expert's whole gate ("w1"), up ("w3") or down ("w2") proj."""
         expert, name = shard_id
         shard = self.w2_weight.shape[2]
         full = (self.hidden_size, self.intermediate_size) if name == "w2" else (
@@ -97,10 +86,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {full}")
         rank_slice = self.tp_group.rank * shard
         if name == "w2":
-            copy_checked(param.data[expert], loaded.narrow(1, rank_slice, shard))
+            default_weight_loader(param.data[expert], loaded.narrow(1, rank_slice, shard))
         else:
             rows = param.data[expert].narrow(0, 0 if name == "w1" else shard, shard)
-            copy_checked(rows, loaded.narrow(0, rank_slice, shard))
+            default_weight_loader(rows, loaded.narrow(0, rank_slice, shard))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [num_tokens, hidden]; router_logits [num_tokens, num_experts]."""
@@ -108,11 +97,3 @@ class FusedMoE(nn.Module):
         out = self._experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
                             topk_ids)
         return self.tp_group.all_reduce(out)
-
-
-def _experts_function(device: torch.device) -> Callable:
-    """The Triton kernel on CUDA (importing triton only then), the reference elsewhere."""
-    if device.type == "cuda":
-        from nanovllm.kernels.fused_moe import fused_moe
-        return fused_moe
-    return fused_moe_torch

@@ -1,14 +1,6 @@
-"""Rotary position embedding (the "rotate half" layout of Qwen, Llama and Mistral).
-
-    default   inv_freq[i] = rope_theta ** (-2i / head_dim)
-    llama3    Llama 3.1's scaling: wavelengths longer than original_max_position_embeddings
-              / low_freq_factor are divided by `factor`, shorter than .../high_freq_factor
-              kept, the band between interpolated smoothly
-
-Every layer of a model has the same RoPE, so its [max_position, head_dim] cos/sin cache
-is computed once and shared (get_rope): Qwen3's 40960 positions x 128 dims are 20 MiB
-per copy, not worth holding 28 times.
-"""
+"""Rotary position embedding ("rotate half", as Qwen, Llama and Mistral): inv_freq[i] =
+rope_theta ** (-2i / head_dim), or Llama 3.1's scaling of it (`llama3`). Layers with the same
+RoPE share one [max_position, head_dim] cos/sin cache (Qwen3's: 20 MiB)."""
 import json
 import math
 import weakref
@@ -34,7 +26,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]."""
+        """positions [num_tokens]; q, k [num_tokens, heads or kv_heads, head_dim]."""
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
@@ -52,19 +44,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
-    """A RoPE module for one layer; layers with equal arguments share one cos/sin cache.
-    An unsupported rope_type or a missing parameter is a ValueError naming it."""
-    inv_freq_fn = _inv_freq_function(rope_parameters)
-    key = (head_dim, max_position, json.dumps(rope_parameters, sort_keys=True, default=str),
-           str(torch.get_default_device()))
-    cache = _CACHES.get(key)
-    if cache is None:
-        cache = _cos_sin_cache(inv_freq_fn(head_dim, rope_parameters), max_position)
-        _CACHES[key] = cache
-    return RotaryEmbedding(cache)
-
-
-def _inv_freq_function(rope_parameters: dict):
+    """A layer's RoPE; an unsupported rope_type or a missing parameter is a ValueError."""
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type not in _INV_FREQ:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: "
@@ -72,12 +52,16 @@ def _inv_freq_function(rope_parameters: dict):
     partial = rope_parameters.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported; only 1.0 is")
-    if rope_type == "llama3":
-        missing = [name for name in _LLAMA3_KEYS if name not in rope_parameters]
-        if missing:
-            raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling "
-                             f"(rope_parameters)")
-    return _INV_FREQ[rope_type]
+    missing = [name for name in _LLAMA3_KEYS if name not in rope_parameters]
+    if rope_type == "llama3" and missing:
+        raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling "
+                         f"(rope_parameters)")
+    key = (head_dim, max_position, json.dumps(rope_parameters, sort_keys=True, default=str),
+           str(torch.get_default_device()))
+    if (cache := _CACHES.get(key)) is None:
+        inv_freq = _INV_FREQ[rope_type](head_dim, rope_parameters)
+        cache = _CACHES[key] = _cos_sin_cache(inv_freq, max_position)
+    return RotaryEmbedding(cache)
 
 
 def _cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
@@ -91,7 +75,8 @@ def _default_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 
 
 def _llama3_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """Hugging Face's _compute_llama3_parameters, step for step (so float32 rounds alike)."""
+    """Wavelengths above original_max_position_embeddings / low_freq_factor divided by factor,
+    below .../high_freq_factor kept, smoothed between; HF's code step for step (same rounding)."""
     inv_freq = _default_inv_freq(head_dim, params)
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     old_context_len = params["original_max_position_embeddings"]

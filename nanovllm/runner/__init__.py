@@ -1,2 +1,1 @@
-"""The data plane's driver: turns a scheduled batch into tensors, runs the model on the
-device, samples; plus weight loading, CUDA graphs and tensor-parallel workers."""
+"""The data plane's driver: batch -> tensors, the model on the device, sampling, graphs."""

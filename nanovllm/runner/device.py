@@ -1,5 +1,4 @@
-"""Which device and dtype a runner uses, and host -> device copies that do not make the
-host wait for the device."""
+"""Which device and dtype a runner uses, and host -> device copies that do not sync."""
 import logging
 import os
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.devic
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available; use 'cpu' or 'auto'")
+        raise ValueError("device='cuda' was asked for but CUDA is unavailable; use 'cpu' or 'auto'")
     if world_size == 1:
         return torch.device("cuda")
     if world_size > torch.cuda.device_count():
@@ -82,7 +81,7 @@ def choose_cpu_dtype(checkpoint: str, flags: frozenset[str], float32_bytes: int,
 
 
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo does not list them)."""
+    """From /proc/cpuinfo; empty where it lists none."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((l for l in f if l.startswith("flags")), ":")
@@ -98,7 +97,6 @@ def physical_memory() -> int:
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Parameters created inside are `dtype` by default."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -108,10 +106,8 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To CUDA it goes through pinned memory with
-    non_blocking=True: the copy is queued behind the device's work and the host goes on,
-    where a copy from pageable memory (or torch.tensor(data, device="cuda")) would wait
-    for the device to finish everything queued before it."""
+    """To CUDA through pinned memory, non_blocking: queued behind the device's work, where a
+    copy from pageable memory would wait for everything queued before it."""
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)

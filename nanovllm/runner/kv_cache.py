@@ -1,9 +1,7 @@
-"""The KV cache: its shape, how many blocks fit (the CUDA arithmetic in kv_cache_budget;
-README, "CUDA", says why), and binding it to the attention layers.
+"""The KV cache: its shape, how many blocks fit (README, "CUDA", says why), its binding.
 
     kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (K, V)
 """
-import math
 from typing import NamedTuple
 
 import torch
@@ -32,18 +30,6 @@ def kv_cache_budget(p: MemoryProfile, gpu_memory_utilization: float) -> int:
     return max(0, int(min(within_cap, actually_free)))
 
 
-def cuda_memory_profile(device: torch.device, untracked_at_start: int, peak_reserved: int,
-                        graph_pool: int) -> MemoryProfile:
-    """The profile after a warmup whose peak of PyTorch-reserved memory was `peak_reserved`.
-    PyTorch's cache is emptied first, so `free` includes the activations' memory (which
-    `peak - current` reserves again)."""
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    grown = max(0, total - free - reserved - untracked_at_start)
-    return MemoryProfile(total, free, peak_reserved + grown, reserved + grown, graph_pool)
-
-
 def untracked_cuda_memory(device: torch.device) -> int:
     """Device memory in use outside PyTorch's allocator (the CUDA context, other processes)."""
     free, total = torch.cuda.mem_get_info(device)
@@ -51,28 +37,19 @@ def untracked_cuda_memory(device: torch.device) -> int:
 
 
 def num_blocks_within(budget: int, bytes_per_block: int, hint: str) -> int:
-    """Whole blocks in `budget` bytes; a ValueError ending in `hint` (what to change)
-    when not even one fits."""
-    num_blocks = budget // bytes_per_block
-    if num_blocks < 1:
+    """Whole blocks in `budget` bytes; a ValueError ending in `hint` when not even one fits."""
+    if budget < bytes_per_block:
         raise ValueError(f"no memory is left for even one KV-cache block ({bytes_per_block} "
                          f"bytes; {budget} bytes left); {hint}")
-    return num_blocks
+    return budget // bytes_per_block
 
 
 def kv_cache_shape(layers: list[Attention], num_blocks: int, block_size: int) -> tuple[int, ...]:
-    attn = layers[0]
-    return (2, len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-
-
-def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
-    return math.prod(kv_cache_shape(layers, 1, block_size)) * dtype.itemsize
+    return (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
 
 
 def bind_kv_cache(layers: list[Attention], kv_cache: torch.Tensor | None) -> None:
-    """Give each attention layer its slices of `kv_cache` (None: no cache)."""
+    """Give each attention layer its K and V slices of `kv_cache` (None: empty ones)."""
+    kv_cache = torch.empty(2, len(layers), 0) if kv_cache is None else kv_cache
     for i, layer in enumerate(layers):
-        if kv_cache is None:
-            layer.k_cache = layer.v_cache = torch.tensor([])
-        else:
-            layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        layer.k_cache, layer.v_cache = kv_cache[:, i]

@@ -1,10 +1,7 @@
-"""ModelRunner: builds the model and its KV cache on a device, turns each scheduled
-batch into input tensors (step_inputs.py), runs the model and samples.
-
-With tensor parallelism, one ModelRunner per rank (nanovllm/distributed): rank 0 drives
-each step with `call("run", seqs)`, which runs it on every rank; only rank 0
-samples.
-"""
+"""ModelRunner: builds the model and its KV cache on a device, runs each scheduled batch
+(step_inputs.py) and samples. With tensor parallelism one per rank; rank 0 drives each step
+with `call("run", seqs)` and alone samples."""
+import math
 import weakref
 from typing import NamedTuple
 
@@ -23,9 +20,8 @@ from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
 from nanovllm.runner.device import (default_dtype, local_device, resolve_device, resolve_dtype,
                                     to_device)
-from nanovllm.runner.kv_cache import (bind_kv_cache, bytes_per_block, cuda_memory_profile,
-                                      kv_cache_budget, kv_cache_shape, num_blocks_within,
-                                      untracked_cuda_memory)
+from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
+                                      kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
 from nanovllm.runner.step_inputs import logits_rows, prepare_inputs
 from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
@@ -42,13 +38,11 @@ class SamplerOutput(NamedTuple):
 
 
 class ModelRunner:
-    """Built in this order: the model (on CUDA with compiled small ops), then on CUDA the
-    memory measurements (graph pool, warmup), the KV cache, and the decode CUDA graphs,
-    which hold the cache's address."""
+    """Built in order: the model (CUDA: compiled small ops), on CUDA the memory measurements
+    (graph pool, warmup), the KV cache, then the decode graphs, which hold its address."""
 
     def __init__(self, config: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
-        """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main, with the
-        `rendezvous` rank 0 opened."""
+        """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main (`rendezvous`)."""
         self.config = config
         # Under torchrun every rank runs the engine; its place comes from torchrun's variables.
         self.launch = torchrun_launch(config.tensor_parallel_size, config.data_parallel_size)
@@ -72,7 +66,7 @@ class ModelRunner:
             layer.backend = self.backend
         # Penalties' per-sequence token counts (rank 0 samples); no memory until used.
         self.token_counts = TokenCounts(config.hf_config.vocab_size, self.device)
-        self.graph_runner: CUDAGraphRunner | None = None
+        self.graph_runner = None
         if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name):
             self.graph_runner = CUDAGraphRunner(
                 self.model, config.hf_config.hidden_size, config.max_num_seqs,
@@ -83,11 +77,9 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.capture()  # after the KV cache: the graphs hold its address
 
-    # -- setup --------------------------------------------------------------------
-
     def _init_tensor_parallel(self, rendezvous: Rendezvous | None) -> TPGroup:
-        """Rank 0 spawns ranks 1..N-1 and stops them when it is closed, garbage-collected
-        or at interpreter exit; a spawned rank joins rank 0's process group."""
+        """Rank 0 spawns ranks 1..N-1 (stopped at close, collection or exit); they join it.
+        Under torchrun every rank joins its replica's group."""
         if self.config.tensor_parallel_size == 1 and self.launch is None:
             return SINGLE_RANK
         if not dist.is_available():
@@ -136,40 +128,42 @@ class ModelRunner:
                            dtype=self.dtype, device=self.device)
 
     def _blocks_that_fit(self) -> int:
-        """Blocks within the memory budget (a CPU: cpu_kvcache_space_gib; CUDA: kv_cache.py),
-        at most what max_num_seqs full-length sequences could ever use."""
-        block_bytes = bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+        """Blocks within the memory budget, at most what max_num_seqs full-length sequences use."""
+        config = self.config
         if self.device.type == "cuda":
-            num_blocks = num_blocks_within(
-                self._cuda_kv_budget(), block_bytes,
-                "lower max_model_len / max_num_batched_tokens or raise gpu_memory_utilization")
+            budget = self._cuda_kv_budget()
+            hint = "lower max_model_len / max_num_batched_tokens or raise gpu_memory_utilization"
         else:
-            num_blocks = num_blocks_within(int(self.config.cpu_kvcache_space_gib * 2**30),
-                                           block_bytes, "raise cpu_kvcache_space_gib")
-        blocks_per_seq = cdiv(self.config.max_model_len + 1, self.block_size)
-        return min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+            budget, hint = int(config.cpu_kvcache_space_gib * 2**30), "raise cpu_kvcache_space_gib"
+        block = math.prod(kv_cache_shape(self.attention_layers, 1, self.block_size))
+        most = config.max_num_seqs * cdiv(config.max_model_len + 1, self.block_size)
+        return min(num_blocks_within(budget, block * self.dtype.itemsize, hint), most)
 
     def _cuda_kv_budget(self) -> int:
-        """Bytes left for the KV cache once the graphs' pool (a trial capture) and a warmup
-        at the largest batches are measured."""
+        """Bytes left for the KV cache after the graphs' pool (a trial capture) and a warmup.
+        PyTorch's cache is emptied first, so `free` includes the activations' memory."""
         graph_pool = 0
         if self.graph_runner is not None:
             bind_kv_cache(self.attention_layers, self._new_kv_cache(1))
             graph_pool = self.graph_runner.measure_pool()  # every row padding: 1 block will do
             bind_kv_cache(self.attention_layers, None)
-        profile = cuda_memory_profile(self.device, self.untracked_at_start, self.warmup(),
-                                      graph_pool)
+        peak = self.warmup()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        grown = max(0, total - free - reserved - self.untracked_at_start)  # outside PyTorch
+        profile = MemoryProfile(total, free, peak + grown, reserved + grown, graph_pool)
         return kv_cache_budget(profile, self.config.gpu_memory_utilization)
 
     @torch.inference_mode()
     def warmup(self) -> int:
-        """A prefill at the largest batch, then (rank 0) the sampler at the most rows, whose
-        [rows, vocab] float32 temporaries can outgrow the prefill's activations. Returns
-        the peak of PyTorch-reserved memory meanwhile."""
+        """The peak PyTorch-reserved memory of a prefill at the largest batch, then (rank 0) of
+        the sampler at the most rows ([rows, vocab] float32 temporaries can outgrow it)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        max_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
-        num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs))
+        config = self.config
+        max_len = min(config.max_model_len, config.max_num_batched_tokens)
+        num_seqs = max(1, min(config.max_num_batched_tokens // max_len, config.max_num_seqs))
         seqs = [Sequence([0] * max_len, None, self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = max_len
@@ -182,9 +176,8 @@ class ModelRunner:
         return torch.cuda.max_memory_reserved(self.device)
 
     def _warmup_sampler(self) -> None:
-        """Sample the most rows with every option on, then plain temperature sampling at
-        that many rows, one fewer and one: the compiled sampler compiles (static, dynamic
-        and size-1 variants) now, not in the middle of a run."""
+        """Every option at the most rows, then plain sampling at that many, one fewer and one:
+        the compiled sampler compiles (static, dynamic, size 1) now, not in a run."""
         rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         vocab_size = self.config.hf_config.vocab_size
         everything = SamplingParams(top_k=max(1, vocab_size // 2), top_p=0.9, min_p=0.01, seed=0,
@@ -199,18 +192,14 @@ class ModelRunner:
             logits = torch.zeros(num_rows, vocab_size, dtype=self.dtype, device=self.device)
             self.sampler(logits, metadata)
 
-    # -- a step -------------------------------------------------------------------
-
     def call(self, method: str, *args) -> object:
-        """Rank 0: run `method(*args)` on every rank; returns rank 0's result. Raises
-        RuntimeError if a worker has died."""
+        """Rank 0: `method(*args)` on every rank, rank 0's result; RuntimeError if a worker died."""
         if self.workers is None:
             return getattr(self, method)(*args)
         return self.workers.call(getattr(self, method), method, args)
 
     def run(self, seqs: list[Sequence]) -> SamplerOutput | None:
-        """One step: a token id per sequence, and the logprobs asked for, on rank 0 (None
-        on other ranks)."""
+        """One step: rank 0's token id per sequence and the logprobs asked for; None elsewhere."""
         out = self.execute_model(seqs)
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
         out = None if out is None else out._replace(token_ids=out.token_ids.tolist())
@@ -231,7 +220,7 @@ class ModelRunner:
         """Logits of each sequence's last row; a pure decode step replays a CUDA graph."""
         graphs = self.graph_runner
         with attention_context(ctx):
-            if ctx.prefill is None and graphs is not None and graphs.can_run(len(input_ids)):
+            if ctx.prefill is None and graphs and len(input_ids) <= graphs.batch_sizes[-1]:
                 hidden_states = graphs.run(input_ids, positions, ctx)
             else:
                 hidden_states = self.model(input_ids, positions)
@@ -250,8 +239,7 @@ class ModelRunner:
                                           if asked else ()))
 
     def close(self) -> None:
-        """Free the CUDA graphs and the KV cache; rank 0 stops its workers, a worker
-        leaves the process group."""
+        """Free the graphs and the KV cache; rank 0 stops its workers, a worker leaves the group."""
         if self.workers is not None:
             self._stop_workers()  # a finalizer: runs WorkerGroup.shutdown at most once
         elif self.tp_group is not SINGLE_RANK:

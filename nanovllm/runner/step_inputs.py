@@ -1,9 +1,6 @@
-"""A scheduled batch -> the model's input tensors and the step's ForwardContext.
-
-Every sequence computes its tokens [num_cached_tokens, num_cached_tokens +
-num_scheduled_tokens): a decoding one just its last token, a prefilling one a chunk of
-its prompt. The scheduler puts decode rows first. Slot mapping (where each new token's
-K/V goes), for block_size 4:
+"""A scheduled batch (decode rows first) -> the model's inputs and the step's ForwardContext.
+A sequence computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V
+goes to its slot (block_size 4):
 
     block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
     positions     0  1  2  3 | 4  5
@@ -34,7 +31,9 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
     lens_q = [1] * num_decode + [seq.num_scheduled_tokens for seq in prefill]
-    block_tables = _block_tables(seqs)
+    width = max(len(seq.block_table) for seq in seqs)  # [num_seqs, width], padded with -1
+    block_tables = torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table))
+                                 for seq in seqs], dtype=torch.int32)
     positions_t = torch.tensor(positions)
     rows = torch.arange(len(seqs)) if not prefill else \
         torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens_q))
@@ -42,9 +41,9 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
         + positions_t % block_size
     ctx = ForwardContext(to_device(slots, device), num_decode_tokens=num_decode)
     if decode:
-        ctx.decode = AttentionMetadata(
-            is_prefill=False, block_tables=to_device(block_tables[:num_decode], device),
-            context_lens=to_device(positions_t[:num_decode].int() + 1, device))
+        lens = positions_t[:num_decode].int() + 1
+        ctx.decode = AttentionMetadata(to_device(block_tables[:num_decode], device),
+                                       context_lens=to_device(lens, device))
     if prefill:
         ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:], device)
         ctx.logits_indices = to_device(_logits_indices(seqs, lens_q), device)
@@ -53,8 +52,8 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
 
 
 def logits_rows(seqs: list[Sequence]) -> list[int] | None:
-    """How many logits rows each sequence gets: its whole chunk while its prompt logprobs
-    are owed, else its last row; None when every sequence gets one."""
+    """Logits rows per sequence: its whole chunk while prompt logprobs are owed, else its
+    last; None when every sequence gets one."""
     if not any(seq.needs_prompt_logits for seq in seqs):
         return None
     return [seq.num_scheduled_tokens if seq.needs_prompt_logits else 1 for seq in seqs]
@@ -71,8 +70,8 @@ def _logits_indices(seqs: list[Sequence], lens_q: list[int]) -> torch.Tensor:
 
 def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,
                       device: torch.device) -> AttentionMetadata:
-    """Each chunk's queries over its keys (the cached prefix + the chunk); the block
-    tables only when some chunk has a prefix to read from the cache."""
+    """Each chunk's queries over its keys (cached prefix + chunk); block tables only when
+    some chunk has a prefix to read from the cache."""
     seqlens_q = [seq.num_scheduled_tokens for seq in seqs]
     seqlens_k = [seq.num_cached_tokens + n for seq, n in zip(seqs, seqlens_q)]
     cu_seqlens = torch.zeros(2, len(seqs) + 1, dtype=torch.int32)
@@ -80,14 +79,7 @@ def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,
     cu_seqlens = to_device(cu_seqlens, device)
     has_prefix = any(seq.num_cached_tokens for seq in seqs)
     return AttentionMetadata(
-        is_prefill=True, block_tables=to_device(block_tables, device) if has_prefix else None,
+        block_tables=to_device(block_tables, device) if has_prefix else None,
         cu_seqlens_q=cu_seqlens[0], cu_seqlens_k=cu_seqlens[1],
         max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
         seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-
-
-def _block_tables(seqs: list[Sequence]) -> torch.Tensor:
-    """[num_seqs, max_blocks] int32, padded with -1."""
-    width = max(len(seq.block_table) for seq in seqs)
-    return torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
-                        dtype=torch.int32)

@@ -27,8 +27,7 @@ def test_decode_equals_attention_written_out():
     cache = paged_cache(lens, NUM_KV_HEADS, HEAD_DIM, BLOCK, BF16, gen)
     q = randn(len(lens), NUM_HEADS, HEAD_DIM, dtype=BF16, gen=gen)
     context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ctx = AttentionMetadata(is_prefill=False, slot_mapping=context_lens,
-                            block_tables=cache.block_tables, context_lens=context_lens)
+    ctx = AttentionMetadata(block_tables=cache.block_tables, context_lens=context_lens)
     scale = HEAD_DIM ** -0.5
 
     out = flash_backend().decode(q, cache.k_cache, cache.v_cache, ctx, scale)
@@ -46,7 +45,7 @@ def test_prefill_with_cached_prefix_equals_attention_written_out():
     q = randn(sum(chunk_lens), NUM_HEADS, HEAD_DIM, dtype=BF16, gen=gen)
     k = v = torch.empty(0, device="cuda")  # unused: the keys come from the cache
     cu_q, cu_k = cu_seqlens(chunk_lens), cu_seqlens(seqlens_k)
-    ctx = AttentionMetadata(is_prefill=True, slot_mapping=cu_q, block_tables=cache.block_tables,
+    ctx = AttentionMetadata(block_tables=cache.block_tables,
                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(chunk_lens),
                             max_seqlen_k=max(seqlens_k), seqlens_q=chunk_lens, seqlens_k=seqlens_k)
     scale = HEAD_DIM ** -0.5

@@ -54,8 +54,7 @@ def test_decode_matches_torch_reference(case):
     paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, context_lens,
                            scale, num_splits=num_splits, out=out)
 
-    ctx = AttentionMetadata(is_prefill=False, slot_mapping=context_lens,
-                            block_tables=cache.block_tables, context_lens=context_lens)
+    ctx = AttentionMetadata(block_tables=cache.block_tables, context_lens=context_lens)
     ref = TorchBackend().decode(q.float(), *cache.clean(), ctx, scale)
     real = context_lens > 0
     assert rel_error(out[real], ref[real]) < TOLERANCE[dtype]
@@ -110,7 +109,7 @@ def test_prefill_matches_torch_reference(case):
     paged_prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max(chunk_lens), block_tables,
                             scale, out=out)
 
-    ctx = AttentionMetadata(is_prefill=True, slot_mapping=cu_q, block_tables=block_tables,
+    ctx = AttentionMetadata(block_tables=block_tables,
                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(chunk_lens),
                             max_seqlen_k=max(seqlens_k), seqlens_q=chunk_lens, seqlens_k=seqlens_k)
     ref = TorchBackend().prefill(q.float(), k.float(), v.float(), *ref_caches, ctx, scale)
