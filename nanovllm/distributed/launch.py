@@ -20,18 +20,12 @@ _engine_ids = count()  # every rank builds its engines in the same order: ids ag
 
 @dataclass(frozen=True, slots=True)
 class Torchrun:
-    rank: int
+    rank: int        # in the world
     world_size: int
-    local_rank: int
+    local_rank: int  # on its node: its GPU
     tp_size: int
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
+    dp_rank: int     # its replica
+    tp_rank: int     # in its replica
 
 
 def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
@@ -44,8 +38,9 @@ def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
         raise ValueError(f"torchrun started {world_size} ranks but tensor_parallel_size="
                          f"{tp_size} x data_parallel_size={dp_size} = {tp_size * dp_size}; "
                          "make --nnodes x --nproc-per-node equal their product")
-    return Torchrun(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", 0)),
-                    tp_size)
+    rank = int(os.environ["RANK"])
+    return Torchrun(rank, world_size, int(os.environ.get("LOCAL_RANK", 0)), tp_size,
+                    *divmod(rank, tp_size))
 
 
 def engine_store(launch: Torchrun) -> dist.Store:
