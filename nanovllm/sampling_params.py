@@ -1,8 +1,5 @@
-"""How to pick the next token and when to stop: one `SamplingParams` per request.
-
-Pure Python (no torch): the control plane reads these fields too. Names, defaults and
-meanings are vLLM's; the README's table documents each field.
-"""
+"""How to pick the next token and when to stop: one `SamplingParams` per request (pure
+Python: the control plane reads it too). Names, defaults and meanings are vLLM's."""
 import math
 from dataclasses import dataclass
 
@@ -38,42 +35,29 @@ class SamplingParams:
     skip_special_tokens: bool = True   # leave special tokens out of the text
 
     def __post_init__(self) -> None:
-        self._check_filters()
-        self._check_lengths()
-        self._check_penalties()
-        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
-        self.stop = _stop_string_list(self.stop)
-        if self.seed is not None:
-            check_int("seed", self.seed)
-        check_int("n", self.n, minimum=1)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), minimum=0)
-        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        check_bool("skip_special_tokens", self.skip_special_tokens)
-
-    def _check_filters(self) -> None:
         check_number("temperature", self.temperature, 0, math.inf, "a number >= 0 (0 means greedy)")
         check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= 1, or 0 or -1 to turn it off; got {self.top_k}")
         check_number("top_p", self.top_p, 0, 1, "in (0, 1] (1 turns it off)", low_open=True)
         check_number("min_p", self.min_p, 0, 1, "in [0, 1) (0 turns it off)", high_open=True)
-
-    def _check_lengths(self) -> None:
-        if self.max_tokens is not None:
-            check_int("max_tokens", self.max_tokens, minimum=1)
+        for name, minimum in (("seed", None), ("max_tokens", 1), ("logprobs", 0),
+                              ("prompt_logprobs", 0)):  # None turns these off
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum)
+        check_int("n", self.n, minimum=1)
         check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
-        check_bool("ignore_eos", self.ignore_eos)
-
-    def _check_penalties(self) -> None:
         check_number("repetition_penalty", self.repetition_penalty, 0, math.inf,
                      "a number > 0 (1 turns it off)", low_open=True)
         for name in ("presence_penalty", "frequency_penalty"):
             check_number(name, getattr(self, name), -2, 2, "in [-2, 2] (0 turns it off)")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_bool(name, getattr(self, name))
+        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+        self.stop = _stop_string_list(self.stop)
 
     @property
     def is_greedy(self) -> bool:
@@ -92,9 +76,7 @@ def _token_id_list(name: str, value: object) -> list[int]:
         raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__}")
     ids = list(value)
     for token_id in ids:
-        check_int(name, token_id)
-        if token_id < 0:
-            raise ValueError(f"{name} must hold token ids >= 0, got {token_id}")
+        check_int(name, token_id, minimum=0)
     return ids
 
 

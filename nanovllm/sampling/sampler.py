@@ -1,12 +1,10 @@
-"""Turns the last-token logits of each sequence into one token id per row, every row
-with its own settings (vLLM's semantics), in one batched pass:
+"""One token id per row of logits, every row with its own settings (vLLM's), in one pass:
 
     suppressed ids -> penalties -> [greedy rows: argmax]
                    -> temperature -> top-k -> top-p -> min-p -> sample
 
 Sampling is the exponential race: argmax(p / E), E ~ Exp(1) iid per token, draws exactly
-from p. A seeded row's E is a counter-based hash of (key from (seed, tokens so far), token
-id), so its tokens do not depend on the batch around it.
+from p. A seeded row's E hashes (seed, tokens so far, token id): no batch dependence.
 """
 import torch
 from torch import nn
@@ -16,7 +14,6 @@ from nanovllm.sampling.metadata import Penalties, SamplingMetadata
 
 
 class Sampler(nn.Module):
-
     def __init__(self):
         super().__init__()
         self._softmax_race = softmax_race.select()  # compiled on CUDA: one fused pass
@@ -47,8 +44,8 @@ class Sampler(nn.Module):
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """vLLM's penalties on [P, vocab] logits: repetition over prompt and completion
-    tokens, presence and frequency over completion tokens."""
+    """vLLM's penalties on [P, vocab] logits: repetition over prompt and completion tokens,
+    presence and frequency over completion tokens."""
     in_output = p.output_counts > 0
     seen = in_output | p.in_prompt
     repetition = p.repetition[:, None]
@@ -59,8 +56,7 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
                       top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set the logits that top-k, then top-p, filter out to -inf. Ties with the k-th
-    largest logit are kept."""
+    """Set the logits that top-k, then top-p, filter out to -inf (ties with the k-th stay)."""
     if top_p is None:
         # Top-k alone needs only the max_top_k largest values, not a full sort.
         values = logits.topk(max_top_k, dim=-1).values                     # [B, max_top_k]
@@ -90,8 +86,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 @HotOp
 def softmax_race(logits: torch.Tensor) -> torch.Tensor:
-    """[B, vocab] logits -> [B] token ids drawn from softmax(logits), every row with
-    the global generator's noise."""
+    """[B, vocab] logits -> [B] token ids drawn from softmax(logits), unseeded."""
     probs = torch.softmax(logits, dim=-1)
     return (probs / unseeded_noise(probs)).argmax(dim=-1)
 
@@ -104,8 +99,7 @@ def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:
 
 
 def exponential_noise(probs: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    """[B, vocab] Exp(1) noise of a batch with seeded rows: a pure function of (seed
-    key, token id) for those, the global generator's for the others."""
+    """[B, vocab] Exp(1) noise: a function of (seed key, token id) on seeded rows."""
     noise = unseeded_noise(probs) if not m.all_seeded else torch.empty_like(probs)
     noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
     return noise
@@ -115,9 +109,8 @@ _MASK32 = 0xFFFFFFFF
 
 
 def mix32(x):
-    """A 32-bit integer hash (Wellons' 'prospector' xorshift-multiply) of an int or an
-    int64 tensor holding values in [0, 2**32). Both multipliers are below 2**30, so
-    every product stays below 2**62: exact in int64 on every device."""
+    """Wellons' 32-bit 'prospector' hash of an int or int64 tensor in [0, 2**32). Multipliers
+    below 2**30 keep every product below 2**62: exact in int64 on every device."""
     x = x ^ (x >> 15)
     x = (x * 0x2C1B3C6D) & _MASK32
     x = x ^ (x >> 12)
@@ -126,8 +119,8 @@ def mix32(x):
 
 
 def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S] 32-bit keys -> [S, vocab] Exp(1) noise, bits = mix32(key ^ mix32(token id)).
-    Bit-identical on the CPU and CUDA (integer arithmetic only, up to the final log)."""
+    """[S] 32-bit keys -> [S, vocab] Exp(1) noise from mix32(key ^ mix32(token id)), the same
+    bits on the CPU and CUDA (integer arithmetic up to the final log)."""
     token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
     bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
     # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32, so
