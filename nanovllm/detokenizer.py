@@ -1,12 +1,11 @@
-"""Stop strings, found on the CPU side: each such request's completion text is decoded
-a few tokens at a time, and after every step the newest characters are searched for
-the request's stop strings (vLLM's incremental detokenizer behaves the same way).
+"""Stop strings: a request's completion is decoded a few tokens at a time (as vLLM's
+incremental detokenizer does) and each step's new characters are searched.
 
     tokens   [ ... decoded ... | context | new ]      decode(context + new) minus
                                ^prefix  ^read         decode(context) = the new text
 
-A token can end inside a multi-byte character (byte-level BPE decodes it to U+FFFD);
-its text is held back until a later token completes the character.
+A token ending inside a multi-byte character (decoded as U+FFFD) is held back until a later
+token completes it.
 """
 from transformers import PreTrainedTokenizerBase
 
@@ -39,9 +38,8 @@ class IncrementalDetokenizer:
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> int | None:
-    """Where the earliest stop string that ends in the last `num_new_chars` characters
-    of `text` begins, or None. (vLLM takes the first in list order; the earliest is
-    what makes the text end before every stop string.)"""
+    """Where the earliest stop string ending in the last `num_new_chars` characters of `text`
+    begins, or None (the earliest, not vLLM's first listed: the text ends before every one)."""
     starts = []
     for stop in stops:
         start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
@@ -58,17 +56,14 @@ class StopStringChecker:
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
 
     def check(self, seq: Sequence) -> str | None:
-        """Decode `seq`'s new completion tokens; if they complete one of its stop
-        strings, return the completion text before it, else None. (Whether a match
-        counts, e.g. before min_tokens, is the scheduler's call.)"""
+        """Decode seq's new tokens: the completion text before a stop string they complete, or
+        None. (Whether a match counts, e.g. before min_tokens, is the scheduler's call.)"""
         detokenizer = self.detokenizers.get(seq.seq_id)
         if detokenizer is None:
             detokenizer = self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, seq.sampling_params.skip_special_tokens)
         start = seq.num_prompt_tokens + len(detokenizer.token_ids)
         num_new_chars = detokenizer.append(seq.token_ids[start:])
-        if num_new_chars == 0:
-            return None
         stop_at = find_stop_string(detokenizer.text, num_new_chars, seq.sampling_params.stop)
         return None if stop_at is None else detokenizer.text[:stop_at]
 

@@ -1,6 +1,6 @@
 """What generation returns, in vLLM's shapes: a RequestOutput per prompt holding n
-CompletionOutputs (API_NOTES.md has every field). A RequestOutput also answers nano-vLLM's
-out["text"], out["token_ids"] and out["finish_reason"]: those of its first completion."""
+CompletionOutputs. It also answers nano-vLLM's out["text"], out["token_ids"] and
+out["finish_reason"]: those of its first completion."""
 from dataclasses import dataclass
 
 
