@@ -1,9 +1,9 @@
-"""What the sampler needs to know about a batch, built on rank 0's host from its sequences
-(a None field: no row needs that work), and the token counts penalties read, on the device."""
+"""What the sampler needs to know about a batch (a None field: no row needs it), from rank 0."""
 from dataclasses import dataclass
 from hashlib import blake2b
 
 import torch
+import torch.nn.functional as F
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.runner.device import to_device
@@ -39,8 +39,7 @@ class SamplingMetadata:
 
 
 def seed_key(seed: int, step: int) -> int:
-    """The 32-bit key of a seeded row's noise at its `step`-th completion token: a function of
-    (seed, step) alone, so of nothing else in the batch."""
+    """The 32-bit key of a seeded row's noise at its `step`-th token: nothing else in the batch."""
     digest = blake2b(f"{seed}:{step}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
@@ -68,7 +67,8 @@ class TokenCounts:
 
     def update(self, seqs: list[Sequence]) -> torch.Tensor:
         """Count the tokens of `seqs` not counted yet; returns their slots [len(seqs)]."""
-        self._release_finished()
+        for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
+            self.free_slots.append(self.tracked.pop(seq_id).slot)
         prompt, output = [], []  # (slot, token id) of each token not counted yet
         for seq in seqs:
             entry = self.tracked.get(seq.seq_id) or self._assign(seq)
@@ -89,26 +89,15 @@ class TokenCounts:
         return to_device(torch.tensor(pairs), self.device).unbind(1)  # [n, 2]: one transfer
 
     def _assign(self, seq: Sequence) -> _Tracked:
-        if not self.free_slots:
-            self._grow()
+        if not self.free_slots:  # double the slots (at least 8 more), zero-padded
+            old = self.output_counts.shape[0]
+            self.output_counts = F.pad(self.output_counts, (0, 0, 0, max(8, old)))
+            self.in_prompt = F.pad(self.in_prompt, (0, 0, 0, max(8, old)))
+            self.free_slots.extend(range(self.output_counts.shape[0] - 1, old - 1, -1))
         entry = self.tracked[seq.seq_id] = _Tracked(seq, self.free_slots.pop())
         self.output_counts[entry.slot].zero_()
         self.in_prompt[entry.slot].zero_()
         return entry
-
-    def _grow(self) -> None:
-        old = self.output_counts.shape[0]
-        new = max(8, 2 * old)
-        for name in ("output_counts", "in_prompt"):
-            tensor = getattr(self, name)
-            grown = tensor.new_zeros(new, self.vocab_size)
-            grown[:old] = tensor
-            setattr(self, name, grown)
-        self.free_slots.extend(range(new - 1, old - 1, -1))
-
-    def _release_finished(self) -> None:
-        for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
-            self.free_slots.append(self.tracked.pop(seq_id).slot)
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts: TokenCounts,
@@ -129,7 +118,12 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts:
     if not m.all_greedy:
         sampled = [not g for g in greedy]
         _add_filters(m, params, sampled, vocab_size, put)
-        _add_seeds(m, seqs, sampled, put)
+        seeded = [i for i, (p, s) in enumerate(zip(params, sampled)) if s and p.seed is not None]
+        if seeded:
+            m.seeded_rows = put(seeded)
+            m.seed_keys = put([seed_key(params[i].seed, seqs[i].num_completion_tokens)
+                               for i in seeded])
+            m.all_seeded = len(seeded) == sum(sampled)
     return m
 
 
@@ -147,16 +141,6 @@ def _add_filters(m: SamplingMetadata, params: list[SamplingParams], sampled: lis
         m.top_p = put(top_p)
     if max(min_p) > 0:
         m.min_p = put(min_p)
-
-
-def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: list[bool], put) -> None:
-    rows = [i for i, (seq, s) in enumerate(zip(seqs, sampled))
-            if s and seq.sampling_params.seed is not None]
-    if not rows:
-        return
-    keys = [seed_key(seqs[i].sampling_params.seed, seqs[i].num_completion_tokens) for i in rows]
-    m.seeded_rows, m.seed_keys = put(rows), put(keys)
-    m.all_seeded = len(rows) == sum(sampled)
 
 
 def _suppressed(seqs: list[Sequence], put) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -4,8 +4,7 @@
                    -> temperature -> top-k -> top-p -> min-p -> sample
 
 Sampling is the exponential race: argmax(p / E), E ~ Exp(1) iid per token, draws exactly
-from p. A seeded row's E hashes (seed, tokens so far, token id): no batch dependence.
-"""
+from p. A seeded row's E hashes (seed, tokens so far, token id): no batch dependence."""
 import torch
 from torch import nn
 
@@ -37,15 +36,16 @@ class Sampler(nn.Module):
             logits = apply_min_p(logits, m.min_p)
         if m.seed_keys is None:
             sampled = self._softmax_race(logits)
-        else:
+        else:  # seeded rows' noise is a function of (seed key, token id), the others' unseeded
             probs = torch.softmax(logits, dim=-1)
-            sampled = (probs / exponential_noise(probs, m)).argmax(dim=-1)
+            noise = torch.empty_like(probs) if m.all_seeded else unseeded_noise(probs)
+            noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
+            sampled = (probs / noise).argmax(dim=-1)
         return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """vLLM's penalties on [P, vocab] logits: repetition over prompt and completion tokens,
-    presence and frequency over completion tokens."""
+    """vLLM's penalties on [P, vocab]: repetition (prompt and completion), presence, frequency."""
     in_output = p.output_counts > 0
     seen = in_output | p.in_prompt
     repetition = p.repetition[:, None]
@@ -78,8 +78,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens with p < min_p * p_max, i.e. logit < max logit + log(min_p)
-    (log 0 = -inf keeps every token)."""
+    """Drop tokens with p < min_p * p_max: logit < max logit + log(min_p) (log 0 keeps all)."""
     threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
@@ -92,35 +91,22 @@ def softmax_race(logits: torch.Tensor) -> torch.Tensor:
 
 
 def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise from the global generator, as -log(U) with U ~ Uniform[0, 1): on a CPU
-    rand + log run on every thread, where exponential_() runs on one (measured 14% of a
-    decode step there). Clamped: a draw of 0 would make 0 / 0 for a filtered-out token."""
+    """Exp(1) noise as -log(U): on a CPU rand + log use every thread, exponential_() one (14% of
+    a decode step). Clamped: a draw of 0 would make 0 / 0 for a filtered-out token."""
     return torch.rand_like(probs).log_().neg_().clamp_min_(1e-10)
 
 
-def exponential_noise(probs: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    """[B, vocab] Exp(1) noise: a function of (seed key, token id) on seeded rows."""
-    noise = unseeded_noise(probs) if not m.all_seeded else torch.empty_like(probs)
-    noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
-    return noise
-
-
-_MASK32 = 0xFFFFFFFF
-
-
 def mix32(x):
-    """Wellons' 32-bit 'prospector' hash of an int or int64 tensor in [0, 2**32). Multipliers
-    below 2**30 keep every product below 2**62: exact in int64 on every device."""
+    """Wellons' 32-bit 'prospector' hash of ints in [0, 2**32), exact in int64 on any device."""
     x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF  # multipliers < 2**30: every product < 2**62
     x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & _MASK32
+    x = (x * 0x297A2D39) & 0xFFFFFFFF
     return x ^ (x >> 15)
 
 
 def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S] 32-bit keys -> [S, vocab] Exp(1) noise from mix32(key ^ mix32(token id)), the same
-    bits on the CPU and CUDA (integer arithmetic up to the final log)."""
+    """[S] keys -> [S, vocab] Exp(1) noise, the same on every device (integers up to the log)."""
     token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
     bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
     # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32, so
