@@ -1,13 +1,8 @@
-"""How to pick the next token and when to stop: one `SamplingParams` per request (pure
-Python: the control plane reads it too). Names, defaults and meanings are vLLM's."""
+"""How to pick the next token and when to stop, per request (pure Python: core reads it too)."""
 import math
 from dataclasses import dataclass
 
 from nanovllm.utils import check_bool, check_int, check_number
-
-# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them
-# would overflow.
-GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -61,7 +56,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
+        return self.temperature < 1e-5  # vLLM's _SAMPLING_EPS: dividing by less would overflow
 
     @property
     def has_penalties(self) -> bool:
