@@ -7,6 +7,8 @@ incremental detokenizer does) and each step's new characters are searched.
 A token ending inside a multi-byte character (decoded as U+FFFD) is held back until a later
 token completes it.
 """
+from functools import partial
+
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.core.sequence import Sequence
@@ -16,8 +18,7 @@ class IncrementalDetokenizer:
     """The text of a growing list of token ids, decoding only the newest ones."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = False):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.decode = partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0  # token_ids[prefix_offset:read_offset] = context, already in text
@@ -26,10 +27,8 @@ class IncrementalDetokenizer:
     def append(self, token_ids: list[int]) -> int:
         """Add tokens; returns how many characters of text they completed."""
         self.token_ids.extend(token_ids)
-        skip = self.skip_special_tokens
-        context = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset],
-                                        skip_special_tokens=skip)
-        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
+        context = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
         if len(full) <= len(context) or full.endswith("\ufffd"):
             return 0
         self.text += full[len(context):]
@@ -40,12 +39,8 @@ class IncrementalDetokenizer:
 def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> int | None:
     """Where the earliest stop string ending in the last `num_new_chars` characters of `text`
     begins, or None (the earliest, not vLLM's first listed: the text ends before every one)."""
-    starts = []
-    for stop in stops:
-        start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
-        if start >= 0:
-            starts.append(start)
-    return min(starts, default=None)
+    starts = [text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1)) for stop in stops]
+    return min((start for start in starts if start >= 0), default=None)
 
 
 class StopStringChecker:

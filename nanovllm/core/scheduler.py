@@ -1,15 +1,13 @@
-"""Decides what runs each step and, after it, which sequences end.
-
-One token budget per step (vLLM v1): every running sequence past its prompt gets its next
-token first, then prompt chunks fill the rest, the mid-prefill sequence first:
+"""Decides what runs each step and, after it, which sequences end. One token budget per step
+(vLLM v1): every running sequence past its prompt gets its next token, then prompt chunks
+fill the rest, the mid-prefill sequence's first:
 
     step 1: [ d d d d | prompt A, chunk 1 ............ ]      budget = 16 tokens
     step 2: [ d d d d | prompt A, chunk 2 ...| prompt B ]
     step 3: [ d d d d d | B's rest | ... ]                    A decodes from here on
 
-Only the sequence admitted last in a step can be left part-way, so at most one is
-mid-prefill between steps: the newest in `running`. "prefill_first" (nano-vLLM's, for
-comparison) decodes only when no prompt work can run.
+Only the last sequence admitted can be left part-way: at most one, the newest in `running`,
+is mid-prefill between steps.
 """
 from collections import deque
 from typing import Protocol
@@ -167,8 +165,7 @@ class Scheduler:
         """Why `seq` ends with its newest token, if it does: the one place that decides. A stop
         token, then a stop string, outrank the length cap (vLLM's order); neither counts
         among the first min_tokens tokens."""
-        params = seq.sampling_params
-        num_completion = seq.num_tokens - seq.num_prompt_tokens
+        params, num_completion = seq.sampling_params, seq.num_completion_tokens
         past_min = num_completion > params.min_tokens
         if past_min and token_id in seq.stop_token_ids:
             return FinishReason.STOP
@@ -183,6 +180,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
@@ -199,12 +197,10 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Drop every pending request (after a failed step)."""
-        seqs = [*self.waiting, *self.running]
+        for seq in [*self.waiting, *self.running]:
+            self._finish(seq, FinishReason.ABORT)
         self.waiting.clear()
         self.running.clear()
-        for seq in seqs:
-            seq.num_scheduled_tokens = 0
-            self._finish(seq, FinishReason.ABORT)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.running)

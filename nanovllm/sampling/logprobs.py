@@ -5,6 +5,7 @@ and filters), for the sequences that ask. An entry is {token id: Logprob}: the c
 Logits rows: sequence i owns rows[i] consecutive ones (logits_rows); in a prefill chunk
 starting at position s, its row j predicts token s + j + 1; its last row samples.
 """
+from itertools import islice
 from typing import NamedTuple
 
 import torch
@@ -60,12 +61,10 @@ def collect_logprobs(asked: LogprobRows, logprobs: torch.Tensor, sampled: torch.
     targets = to_device(torch.tensor(asked.prompt_targets, dtype=torch.long), sampled.device)
     rows = to_device(torch.tensor(asked.sample_rows, dtype=torch.long), sampled.device)
     entries = to_dicts(logprobs, torch.cat([targets, sampled[rows]]), asked.ks)
-    prompt, i = [], 0
-    for count in asked.prompt_counts:
-        prompt.append(entries[i:i + count])
-        i += count
+    rest = iter(entries)  # prompt entries, sequence by sequence, then the sampled ones
+    prompt = [list(islice(rest, count)) for count in asked.prompt_counts]
     sample: list[dict | None] = [None] * num_seqs
-    for row, entry in zip(asked.sample_rows, entries[i:]):
+    for row, entry in zip(asked.sample_rows, rest):
         sample[row] = entry
     return sample, prompt
 
