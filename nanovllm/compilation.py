@@ -1,8 +1,7 @@
-"""torch.compile for the small ops between the matmuls (RMSNorm with its residual add,
-SiluAndMul, rotary embedding, the sampler's softmax race), on CUDA and not under
-enforce_eager (on a CPU compiling costs 10-25 s per process, more than it saves:
-benchmarks/compiled_ops.py). Each op is a pure function compiled once per process and shared
-by every layer: dynamo guards on shapes and dtypes, never on a layer."""
+"""torch.compile for the small ops between the matmuls (RMSNorm + residual, SiluAndMul, rotary,
+the sampler's softmax race), on CUDA without enforce_eager (on a CPU compiling costs 10-25 s a
+process, more than it saves: benchmarks/compiled_ops.py). Each op is compiled once per process
+and shared by every layer: dynamo guards on shapes and dtypes, never on a layer."""
 from collections.abc import Callable
 
 import torch

@@ -4,9 +4,7 @@ incremental detokenizer does) and each step's new characters are searched.
     tokens   [ ... decoded ... | context | new ]      decode(context + new) minus
                                ^prefix  ^read         decode(context) = the new text
 
-A token ending inside a multi-byte character (decoded as U+FFFD) is held back until a later
-token completes it.
-"""
+A token ending inside a multi-byte character (U+FFFD) is held back until a later one ends it."""
 from functools import partial
 
 from transformers import PreTrainedTokenizerBase
@@ -51,8 +49,7 @@ class StopStringChecker:
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
 
     def check(self, seq: Sequence) -> str | None:
-        """Decode seq's new tokens: the completion text before a stop string they complete, or
-        None. (Whether a match counts, e.g. before min_tokens, is the scheduler's call.)"""
+        """The completion text before a stop string seq's new tokens complete, or None."""
         detokenizer = self.detokenizers.get(seq.seq_id)
         if detokenizer is None:
             detokenizer = self.detokenizers[seq.seq_id] = IncrementalDetokenizer(

@@ -13,17 +13,14 @@ class Logprob:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """text leaves out the stop string / stop token unless include_stop_str_in_output;
-    stop_reason: the stop string or stop token id that ended it (None for EOS or length).
-    seq_id (nano-vLLM's step-by-step API): the id add_request returned."""
     index: int
-    text: str
+    text: str  # without the stop string / stop token unless include_stop_str_in_output
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per token: the top k + the chosen one
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_reason: int | str | None = None
-    seq_id: int = -1
+    stop_reason: int | str | None = None  # the stop string or token id (None: EOS or length)
+    seq_id: int = -1  # nano-vLLM's step-by-step API: the id add_request returned
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -9,13 +9,11 @@ T = TypeVar("T")
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for `a` tokens in blocks of `b`."""
     return -(-a // b)
 
 
 class Scoped(Generic[T]):
-    """A module-level value set only inside `with x.scope(value):` and restored in
-    `finally`, so a failed step or build cannot leak it into the next."""
+    """A module-level value set only inside `with x.scope(value):`, restored in `finally`."""
 
     def __init__(self, default: T):
         self.value = default

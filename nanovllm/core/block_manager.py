@@ -1,10 +1,8 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, a free list, ref counts and a prefix cache.
 Position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
-
-A full block's hash chains its predecessor's hash with its token ids; a hit is confirmed by
-comparing token ids and predecessor, so a hash collision costs a miss, never wrong KV. A freed
-block keeps its hash and content until the free list hands it out again, so it can be revived.
-"""
+A full block's hash chains its predecessor's hash with its token ids; hits are confirmed by token
+ids and predecessor, so a collision costs a miss, never wrong KV. A freed block keeps its hash
+and content until the free list hands it out again, so it can be revived."""
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -41,8 +39,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
-        # Insertion-ordered: blocks freed longest ago are handed out first (LRU eviction
-        # of cached content); reviving a cached free block is an O(1) delete.
+        # Ordered: the longest-freed block goes first (LRU eviction); reviving one is O(1).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_cache_hit_blocks = 0    # statistics: full blocks reused from the cache
 
@@ -51,8 +48,7 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def get_cached_blocks(self, seq: Sequence) -> list[int]:
-        """The blocks of seq's longest cached prefix (none while its prompt logprobs are
-        owed: those need every prompt row computed)."""
+        """Blocks of seq's longest cached prefix; none while it owes prompt logprobs (all rows)."""
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
         cached: list[int] = []
@@ -92,8 +88,7 @@ class BlockManager:
         self.num_cache_hit_blocks += len(cached_blocks)
 
     def deallocate(self, seq: Sequence) -> None:
-        # Freed in reverse so a sequence's tail blocks are evicted before its head,
-        # which other prompts are more likely to share.
+        # In reverse: a sequence's tail is evicted before its head, which prompts more likely share.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -122,8 +117,7 @@ class BlockManager:
             parent_hash = None if block.parent_id is None else self.blocks[block.parent_id].hash
             block.token_ids = tuple(seq.block(i))
             block.hash = compute_block_hash(block.token_ids, parent_hash)
-            # The first block to reach a hash keeps it; an identical twin computed in
-            # the same step stays private and is simply not shared.
+            # The first block to reach a hash keeps it; a twin from the same step stays private.
             self.hash_to_block.setdefault(block.hash, block.block_id)
 
     def _take_free_block(self) -> int:

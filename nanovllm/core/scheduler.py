@@ -81,8 +81,7 @@ class Scheduler:
         return seqs
 
     def _schedule_decode(self) -> list[Sequence]:
-        """A token for each running sequence past its prompt, oldest first, preempting the
-        newest when a block is needed and none is free."""
+        """A token per decoding sequence, oldest first; preempts the newest if no block is free."""
         limit = min(self.max_num_seqs, self.max_num_batched_tokens)
         batch: list[Sequence] = []
         for seq in list(self.running):
@@ -102,8 +101,7 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self, budget: int, admit: bool = True) -> list[Sequence]:
-        """Prompt chunks within `budget`: the mid-prefill sequence's, then (if `admit`) waiting
-        ones in order, each after its prefix-cache lookup."""
+        """Prompt chunks within `budget`: the mid-prefill one's, then waiting ones' if `admit`."""
         batch = [seq for seq in self.running if seq.is_prefill]
         for seq in batch:
             budget -= self._schedule_chunk(seq, budget)
@@ -162,9 +160,8 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        """Why `seq` ends with its newest token, if it does: the one place that decides. A stop
-        token, then a stop string, outrank the length cap (vLLM's order); neither counts
-        among the first min_tokens tokens."""
+        """Why seq ends with its newest token, if it does: the one place that decides. A stop token,
+        then a stop string, outrank length (vLLM's order); neither counts before min_tokens."""
         params, num_completion = seq.sampling_params, seq.num_completion_tokens
         past_min = num_completion > params.min_tokens
         if past_min and token_id in seq.stop_token_ids:

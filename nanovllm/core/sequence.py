@@ -5,8 +5,7 @@
                 0              num_cached_tokens          num_tokens
 
 A step computes `num_scheduled_tokens` tokens from `num_cached_tokens` on (KV from the
-prefix cache or an earlier step); a prefill chunk that ends at `num_tokens` yields a token.
-"""
+prefix cache or an earlier step); a prefill chunk that ends at `num_tokens` yields a token."""
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count

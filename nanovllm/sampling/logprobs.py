@@ -1,10 +1,8 @@
 """Logprobs of the model's raw distribution (vLLM v1's default: before penalties, temperature
 and filters), for the sequences that ask. An entry is {token id: Logprob}: the chosen token
 (sampled, or the prompt's next) ranked 1 + the others at least as likely, then the top k.
-
 Logits rows: sequence i owns rows[i] consecutive ones (logits_rows); in a prefill chunk
-starting at position s, its row j predicts token s + j + 1; its last row samples.
-"""
+starting at position s, its row j predicts token s + j + 1; its last row samples."""
 from itertools import islice
 from typing import NamedTuple
 

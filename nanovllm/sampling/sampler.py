@@ -57,8 +57,7 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
                       top_p: torch.Tensor | None) -> torch.Tensor:
     """Set the logits that top-k, then top-p, filter out to -inf (ties with the k-th stay)."""
-    if top_p is None:
-        # Top-k alone needs only the max_top_k largest values, not a full sort.
+    if top_p is None:  # top-k alone needs only the max_top_k largest values, not a sort
         values = logits.topk(max_top_k, dim=-1).values                     # [B, max_top_k]
         kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
         kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)   # rows keeping all
@@ -67,9 +66,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     if top_k is not None:
         kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    # Ascending, a token goes when the tokens ranked at or below it hold at most 1 - p:
-    # those ranked above it then reach p without it. The token that crosses p stays,
-    # and p = 1 removes only tokens whose probability is exactly 0.
+    # Ascending, a token goes when those ranked at or below it hold at most 1 - p: those above
+    # reach p without it. The one crossing p stays; p = 1 drops only probability-0 tokens.
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= 1 - top_p[:, None]
     drop[:, -1] = False  # the most likely token always stays
@@ -109,7 +107,6 @@ def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[S] keys -> [S, vocab] Exp(1) noise, the same on every device (integers up to the log)."""
     token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
     bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
-    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32, so
-    # -log(u) is finite and never 0.
+    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32: 0 < -log(u) < inf.
     u = ((bits >> 9) * 2 + 1).float().mul_(2.0 ** -24)
     return u.log_().neg_()
