@@ -51,8 +51,16 @@ class SamplingParams:
             check_number(name, getattr(self, name), -2, 2, "in [-2, 2] (0 turns it off)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check_bool(name, getattr(self, name))
-        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
-        self.stop = _stop_string_list(self.stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+        self.stop_token_ids = [check_int("stop_token_ids", i, minimum=0) for i in ids]
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(stop):
+            raise ValueError("stop must not contain an empty string")
+        self.stop = list(stop)
 
     @property
     def is_greedy(self) -> bool:
@@ -63,24 +71,3 @@ class SamplingParams:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)
 
-
-def _token_id_list(name: str, value: object) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__}")
-    ids = list(value)
-    for token_id in ids:
-        check_int(name, token_id, minimum=0)
-    return ids
-
-
-def _stop_string_list(value: object) -> list[str]:
-    if value is None:
-        return []
-    strings = [value] if isinstance(value, str) else value
-    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise TypeError(f"stop must be a string or a list of strings, got {value!r}")
-    if any(not s for s in strings):
-        raise ValueError("stop must not contain an empty string")
-    return list(strings)
