@@ -145,14 +145,10 @@ def _add_filters(m: SamplingMetadata, params: list[SamplingParams], sampled: lis
 
 def _suppressed(seqs: list[Sequence], put) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) that min_tokens forbids: each sequence's stop ids (EOS unless ignored)."""
-    rows, ids = [], []
-    for row, seq in enumerate(seqs):
-        if seq.num_completion_tokens < seq.sampling_params.min_tokens:
-            rows.extend([row] * len(seq.stop_token_ids))
-            ids.extend(seq.stop_token_ids)
-    if not rows:
-        return None
-    return put([rows, ids]).unbind()  # [2, n]: one transfer
+    pairs = [(row, token_id) for row, seq in enumerate(seqs)
+             if seq.num_completion_tokens < seq.sampling_params.min_tokens
+             for token_id in seq.stop_token_ids]
+    return put(pairs).unbind(1) if pairs else None  # [n, 2]: one transfer
 
 
 def _penalties(seqs: list[Sequence], counts: TokenCounts, put) -> Penalties | None:
