@@ -1,10 +1,5 @@
-"""nanovllm: a small, readable offline LLM inference engine.
-
-    from nanovllm import LLM, SamplingParams
-
-`LLM` is imported on first use, so the torch-free control plane (`nanovllm.core`)
-can be imported without pulling in torch.
-"""
+"""nanovllm: a small, readable offline LLM inference engine. `LLM` is imported on first use,
+so the torch-free control plane (`nanovllm.core`) imports without torch."""
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]

@@ -1,13 +1,7 @@
-"""torch.compile for the small ops between the matmuls (RMSNorm with its residual add,
-SiluAndMul, rotary embedding, the sampler's softmax race): eagerly several kernels each,
-compiled one. CUDA only, not under enforce_eager (on a CPU compiling costs 10-25 s per
-process, more than it saves; benchmarks/compiled_ops.py measures it).
-
-A layer picks the eager or compiled function when built, inside `compile_scope(True)`.
-Each op is a pure function of tensors, compiled once per process and shared by every
-layer: dynamo guards on shapes and dtypes, never on a layer, so 28 layers x 4 norms make
-one compiled RMSNorm, not 112.
-"""
+"""torch.compile for the small ops between the matmuls (RMSNorm + residual, SiluAndMul, rotary,
+the sampler's softmax race), on CUDA without enforce_eager (on a CPU compiling costs 10-25 s a
+process, more than it saves: benchmarks/compiled_ops.py). Each op is compiled once per process
+and shared by every layer: dynamo guards on shapes and dtypes, never on a layer."""
 from collections.abc import Callable
 
 import torch
@@ -19,16 +13,14 @@ compile_scope = _enabled.scope  # layers (and samplers) built inside use the com
 
 
 class HotOp:
-    """A pure function and, made on first demand, its torch.compile'd twin; used as a
-    decorator (`@HotOp`) on the functions the CUDA path compiles."""
+    """A pure function (`@HotOp`) and, made on first demand, its torch.compile'd twin."""
 
     def __init__(self, fn: Callable):
         self.eager = fn
         self._compiled: Callable | None = None
 
     def select(self) -> Callable:
-        """For a layer being built: the compiled function inside compile_scope(True),
-        else the eager one."""
+        """For a layer being built: the compiled twin inside compile_scope(True), else eager."""
         if not _enabled.value:
             return self.eager
         if self._compiled is None:

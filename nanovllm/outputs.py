@@ -1,5 +1,4 @@
-"""What generation returns, in vLLM's shapes: a RequestOutput per prompt holding n
-CompletionOutputs (API_NOTES.md has every field). A RequestOutput also answers nano-vLLM's
+"""What generation returns, in vLLM's shapes; a RequestOutput also answers nano-vLLM's
 out["text"], out["token_ids"] and out["finish_reason"]: those of its first completion."""
 from dataclasses import dataclass
 
@@ -12,23 +11,16 @@ class Logprob:
     decoded_token: str | None = None
 
 
-SampleLogprobs = list[dict[int, Logprob]]          # per token: the top k + the chosen one
-PromptLogprobs = list[dict[int, Logprob] | None]   # the same; the first prompt token's: None
-
-
 @dataclass(slots=True)
 class CompletionOutput:
-    """text leaves out the stop string / stop token unless include_stop_str_in_output;
-    stop_reason: the stop string or stop token id that ended it (None for EOS or length).
-    seq_id (nano-vLLM's step-by-step API): the id add_request returned."""
     index: int
-    text: str
+    text: str  # without the stop string / stop token unless include_stop_str_in_output
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: SampleLogprobs | None
+    logprobs: list[dict[int, Logprob]] | None  # per token: the top k + the chosen one
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_reason: int | str | None = None
-    seq_id: int = -1
+    stop_reason: int | str | None = None  # the stop string or token id (None: EOS or length)
+    seq_id: int = -1  # nano-vLLM's step-by-step API: the id add_request returned
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -39,7 +31,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None                # None for a token-id prompt
     prompt_token_ids: list[int]
-    prompt_logprobs: PromptLogprobs | None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # the same; the first token's: None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache

@@ -1,16 +1,8 @@
-"""How to pick the next token and when to stop: one `SamplingParams` per request.
-
-Pure Python (no torch): the control plane reads these fields too. Names, defaults and
-meanings are vLLM's; the README's table documents each field.
-"""
+"""How to pick the next token and when to stop, per request (pure Python: core reads it too)."""
 import math
 from dataclasses import dataclass
 
 from nanovllm.utils import check_bool, check_int, check_number
-
-# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them
-# would overflow.
-GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -38,72 +30,44 @@ class SamplingParams:
     skip_special_tokens: bool = True   # leave special tokens out of the text
 
     def __post_init__(self) -> None:
-        self._check_filters()
-        self._check_lengths()
-        self._check_penalties()
-        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
-        self.stop = _stop_string_list(self.stop)
-        if self.seed is not None:
-            check_int("seed", self.seed)
-        check_int("n", self.n, minimum=1)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), minimum=0)
-        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        check_bool("skip_special_tokens", self.skip_special_tokens)
-
-    def _check_filters(self) -> None:
         check_number("temperature", self.temperature, 0, math.inf, "a number >= 0 (0 means greedy)")
         check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= 1, or 0 or -1 to turn it off; got {self.top_k}")
         check_number("top_p", self.top_p, 0, 1, "in (0, 1] (1 turns it off)", low_open=True)
         check_number("min_p", self.min_p, 0, 1, "in [0, 1) (0 turns it off)", high_open=True)
-
-    def _check_lengths(self) -> None:
-        if self.max_tokens is not None:
-            check_int("max_tokens", self.max_tokens, minimum=1)
+        for name, minimum in (("seed", None), ("max_tokens", 1), ("logprobs", 0),
+                              ("prompt_logprobs", 0)):  # None turns these off
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum)
+        check_int("n", self.n, minimum=1)
         check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
-        check_bool("ignore_eos", self.ignore_eos)
-
-    def _check_penalties(self) -> None:
         check_number("repetition_penalty", self.repetition_penalty, 0, math.inf,
                      "a number > 0 (1 turns it off)", low_open=True)
         for name in ("presence_penalty", "frequency_penalty"):
             check_number(name, getattr(self, name), -2, 2, "in [-2, 2] (0 turns it off)")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_bool(name, getattr(self, name))
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+        self.stop_token_ids = [check_int("stop_token_ids", i, minimum=0) for i in ids]
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(stop):
+            raise ValueError("stop must not contain an empty string")
+        self.stop = list(stop)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
+        return self.temperature < 1e-5  # vLLM's _SAMPLING_EPS: dividing by less would overflow
 
     @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)
 
-
-def _token_id_list(name: str, value: object) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__}")
-    ids = list(value)
-    for token_id in ids:
-        check_int(name, token_id)
-        if token_id < 0:
-            raise ValueError(f"{name} must hold token ids >= 0, got {token_id}")
-    return ids
-
-
-def _stop_string_list(value: object) -> list[str]:
-    if value is None:
-        return []
-    strings = [value] if isinstance(value, str) else value
-    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise TypeError(f"stop must be a string or a list of strings, got {value!r}")
-    if any(not s for s in strings):
-        raise ValueError("stop must not contain an empty string")
-    return list(strings)

@@ -1,8 +1,5 @@
-"""Small helpers shared by both planes (pure Python: the control plane imports them).
-
-User input is checked with one rule: TypeError for a wrong type, ValueError for a wrong
-value, each naming the argument.
-"""
+"""Small helpers shared by both planes (pure Python). User input is checked with one rule:
+TypeError for a wrong type, ValueError for a wrong value, each naming the argument."""
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,13 +9,11 @@ T = TypeVar("T")
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for `a` tokens in blocks of `b`."""
     return -(-a // b)
 
 
 class Scoped(Generic[T]):
-    """A module-level value set only inside `with x.scope(value):` and restored in
-    `finally`, so a failed step or build cannot leak it into the next."""
+    """A module-level value set only inside `with x.scope(value):`, restored in `finally`."""
 
     def __init__(self, default: T):
         self.value = default
@@ -37,16 +32,14 @@ def check_int(name: str, value: object, minimum: int | None = None,
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bound = (f"between {minimum} and {maximum}" if minimum is not None and maximum is not None
-                 else f">= {minimum}" if minimum is not None else f"<= {maximum}")
+        bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
         raise ValueError(f"{name} must be {bound}, got {value}")
     return value
 
 
 def check_number(name: str, value: object, low: float, high: float, expected: str,
                  low_open: bool = False, high_open: bool = False) -> float:
-    """A finite int or float within [low, high] (open ends as asked); `expected` says
-    what is allowed in the error."""
+    """A finite number in [low, high] (open ends as asked); `expected` words the error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     too_low = value <= low if low_open else value < low

@@ -3,5 +3,4 @@ from nanovllm.core.block_manager import Block, BlockManager
 from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
 
-__all__ = ["Block", "BlockManager", "FinishReason", "Scheduler", "Sequence",
-           "SequenceStatus"]
+__all__ = ["Block", "BlockManager", "FinishReason", "Scheduler", "Sequence", "SequenceStatus"]

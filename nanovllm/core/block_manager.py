@@ -1,17 +1,8 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, a free list, ref counts, and a
-prefix cache that lets sequences share the blocks of a common prompt prefix.
-
-A token at position p of a sequence lives in cache slot
-
-    block_table[p // block_size] * block_size + p % block_size
-
-Prefix caching: once a full block's KV has been computed, the block gets a hash that
-chains the previous block's hash with its own token ids, so equal hashes mean equal
-prefixes. A new sequence looks its full blocks up by hash, in order, and confirms each
-hit by comparing token ids and the predecessor block, so a hash collision can cost a
-cache miss but never hand out wrong KV. A freed block keeps its hash and content
-until the free list hands it out again, so a later request can still revive it.
-"""
+"""Paged KV-cache bookkeeping: fixed-size blocks, a free list, ref counts and a prefix cache.
+Position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+A full block's hash chains its predecessor's hash with its token ids; hits are confirmed by token
+ids and predecessor, so a collision costs a miss, never wrong KV. A freed block keeps its hash
+and content until the free list hands it out again, so it can be revived."""
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -30,13 +21,8 @@ class Block:
     token_ids: tuple[int, ...] = ()      # the tokens behind `hash`, to confirm hits
     parent_id: int | None = None         # the block before this one when it was hashed
 
-    def reset(self) -> None:
-        self.hash = None
-        self.token_ids = ()
-        self.parent_id = None
 
-
-def compute_block_hash(token_ids: list[int], parent_hash: int | None) -> int:
+def compute_block_hash(token_ids: tuple[int, ...], parent_hash: int | None) -> int:
     """xxhash64 over (the previous block's hash, this block's token ids)."""
     h = xxhash.xxh64()
     if parent_hash is not None:
@@ -47,42 +33,34 @@ def compute_block_hash(token_ids: list[int], parent_hash: int | None) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        assert num_blocks >= 1 and block_size >= 1, (num_blocks, block_size)
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
-        # Insertion-ordered: blocks freed longest ago are handed out first (LRU eviction
-        # of cached content); reviving a cached free block is an O(1) delete.
+        # Ordered: the longest-freed block goes first (LRU eviction); reviving one is O(1).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_cache_hit_blocks = 0    # statistics: full blocks reused from the cache
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    # -- prefill ------------------------------------------------------------------
-
     def get_cached_blocks(self, seq: Sequence) -> list[int]:
-        """Ids of the blocks holding the longest cached prefix of seq's full blocks (none
-        while its prompt logprobs are owed: those need every prompt row computed)."""
+        """Blocks of seq's longest cached prefix; none while it owes prompt logprobs (all rows)."""
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
         cached: list[int] = []
         parent_hash = parent_id = None
         for i in range(len(seq) // self.block_size):
-            token_ids = seq.block(i)
+            token_ids = tuple(seq.block(i))
             h = compute_block_hash(token_ids, parent_hash)
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.parent_id != parent_id or block.token_ids != tuple(token_ids):
+            if block.parent_id != parent_id or block.token_ids != token_ids:
                 break  # a hash collision: recompute rather than trust it
             cached.append(block_id)
             parent_hash, parent_id = h, block_id
@@ -110,8 +88,7 @@ class BlockManager:
         self.num_cache_hit_blocks += len(cached_blocks)
 
     def deallocate(self, seq: Sequence) -> None:
-        # Freed in reverse so a sequence's tail blocks are evicted before its head,
-        # which other prompts are more likely to share.
+        # In reverse: a sequence's tail is evicted before its head, which prompts more likely share.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -119,8 +96,6 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_cached_tokens = 0
-
-    # -- decode -------------------------------------------------------------------
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token at position len(seq) - 1 has (or can get) a slot."""
@@ -130,34 +105,27 @@ class BlockManager:
         if len(seq.block_table) * self.block_size < seq.num_tokens:
             seq.block_table.append(self._take_free_block())
 
-    # -- after a step -------------------------------------------------------------
-
     def cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Hash seq's blocks that became full when tokens [start, end) got their KV."""
-        first, stop = start // self.block_size, end // self.block_size
-        if not self.enable_prefix_caching or first == stop:
+        if not self.enable_prefix_caching:
             return
-        for i in range(first, stop):
+        for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue  # reused from the cache, already hashed
-            parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
-            token_ids = seq.block(i)
-            block.hash = compute_block_hash(token_ids, parent.hash if parent else None)
-            block.token_ids = tuple(token_ids)
-            block.parent_id = parent.block_id if parent else None
-            # The first block to reach a hash keeps it; an identical twin computed in
-            # the same step stays private and is simply not shared.
+            block.parent_id = seq.block_table[i - 1] if i > 0 else None
+            parent_hash = None if block.parent_id is None else self.blocks[block.parent_id].hash
+            block.token_ids = tuple(seq.block(i))
+            block.hash = compute_block_hash(block.token_ids, parent_hash)
+            # The first block to reach a hash keeps it; a twin from the same step stays private.
             self.hash_to_block.setdefault(block.hash, block.block_id)
-
-    # -- internals ----------------------------------------------------------------
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its cached content is evicted now
-        block.reset()
+        block.hash, block.token_ids, block.parent_id = None, (), None
         block.ref_count = 1
         return block_id
 
@@ -166,19 +134,14 @@ class BlockManager:
         refs = [0] * self.num_blocks
         for seq in seqs:
             # Every token but a just-sampled last one has (or is getting) a slot.
-            assert len(seq.block_table) * self.block_size >= len(seq) - 1, \
-                f"sequence {seq.seq_id}'s block table does not cover its tokens"
+            assert len(seq.block_table) * self.block_size >= len(seq) - 1, seq.seq_id
             for i, block_id in enumerate(seq.block_table):
                 refs[block_id] += 1
                 block = self.blocks[block_id]
-                assert block.hash is None or block.token_ids == tuple(seq.block(i)), \
-                    f"block {block_id} is hashed for other tokens than sequence {seq.seq_id}'s"
+                assert block.hash is None or block.token_ids == tuple(seq.block(i)), block_id
         for block in self.blocks:
-            is_free = block.block_id in self.free_block_ids
-            assert is_free != (block.ref_count > 0), f"block {block.block_id}: free xor referenced"
-            assert block.ref_count == refs[block.block_id], \
-                f"block {block.block_id}: ref count {block.ref_count} != {refs[block.block_id]} holders"
+            assert (block.block_id in self.free_block_ids) != (block.ref_count > 0), block
+            assert block.ref_count == refs[block.block_id], (block, refs[block.block_id])
         for h, block_id in self.hash_to_block.items():
             block = self.blocks[block_id]
-            assert block.hash == h and len(block.token_ids) == self.block_size, \
-                f"hash map entry for block {block_id} is stale"
+            assert block.hash == h and len(block.token_ids) == self.block_size, block

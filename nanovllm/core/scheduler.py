@@ -1,20 +1,13 @@
-"""Decides what runs each step and, after it, which sequences end.
-
-One token budget per step (`max_num_batched_tokens`, vLLM v1's rule): every running
-sequence past its prompt gets its next token first, then prompt chunks fill what is
-left, the mid-prefill sequence first, then waiting ones in order. A long prompt is
-prefilled over several steps while the others keep decoding:
+"""Decides what runs each step and, after it, which sequences end. One token budget per step
+(vLLM v1): every running sequence past its prompt gets its next token, then prompt chunks
+fill the rest, the mid-prefill sequence's first:
 
     step 1: [ d d d d | prompt A, chunk 1 ............ ]      budget = 16 tokens
     step 2: [ d d d d | prompt A, chunk 2 ...| prompt B ]
     step 3: [ d d d d d | B's rest | ... ]                    A decodes from here on
 
-Only the sequence admitted last in a step can be left part-way, so at most one is
-mid-prefill between steps, and it is the newest in `running`. A decode token that needs
-a block when none is free preempts the newest running sequence: its blocks are freed
-and it goes back to the front of the waiting queue, to be recomputed. The
-"prefill_first" policy (nano-vLLM's, for comparison) runs a prefill step whenever
-prompt work can run, and decodes only when none can.
+Only the last sequence admitted can be left part-way: at most one, the newest in `running`,
+is mid-prefill between steps.
 """
 from collections import deque
 from typing import Protocol
@@ -56,8 +49,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def check_fits(self, seq: Sequence) -> None:
-        """Refuse a request that could not run even with the whole cache to itself (the
-        engine asks before queueing anything, so one bad prompt queues none)."""
+        """Refuse a request that could not run even with the whole cache to itself."""
         if seq.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len="
@@ -72,8 +64,6 @@ class Scheduler:
                 f"request needs {num_blocks} KV-cache blocks but the cache has only "
                 f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens, or give "
                 f"the cache more memory (num_kvcache_blocks / the memory budget)")
-
-    # -- schedule -----------------------------------------------------------------
 
     def schedule(self) -> list[Sequence]:
         """This step's sequences, decode rows first; empty when idle."""
@@ -91,8 +81,7 @@ class Scheduler:
         return seqs
 
     def _schedule_decode(self) -> list[Sequence]:
-        """One token for each running sequence past its prompt, oldest first; when one needs
-        a block and none is free, the newest running sequence is preempted."""
+        """A token per decoding sequence, oldest first; preempts the newest if no block is free."""
         limit = min(self.max_num_seqs, self.max_num_batched_tokens)
         batch: list[Sequence] = []
         for seq in list(self.running):
@@ -112,8 +101,7 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self, budget: int, admit: bool = True) -> list[Sequence]:
-        """Prompt chunks within `budget` tokens: the mid-prefill sequence first, then
-        (if `admit`) waiting ones in order, each after its prefix-cache lookup."""
+        """Prompt chunks within `budget`: the mid-prefill one's, then waiting ones' if `admit`."""
         batch = [seq for seq in self.running if seq.is_prefill]
         for seq in batch:
             budget -= self._schedule_chunk(seq, budget)
@@ -151,8 +139,6 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
 
-    # -- after the step -----------------------------------------------------------
-
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record a step's results; return the sequences it finished."""
         finished = []
@@ -174,12 +160,9 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        """Why `seq` ends with its newest token, if it does: the one place that decides.
-        A stop token, then a stop string, outrank the length cap (vLLM's order); neither
-        counts among the first min_tokens tokens (the sampler does not draw stop tokens
-        there either)."""
-        params = seq.sampling_params
-        num_completion = seq.num_tokens - seq.num_prompt_tokens
+        """Why seq ends with its newest token, if it does: the one place that decides. A stop token,
+        then a stop string, outrank length (vLLM's order); neither counts before min_tokens."""
+        params, num_completion = seq.sampling_params, seq.num_completion_tokens
         past_min = num_completion > params.min_tokens
         if past_min and token_id in seq.stop_token_ids:
             return FinishReason.STOP
@@ -194,32 +177,27 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
         if seq.sampling_params.stop:
             self.stop_strings.discard(seq.seq_id)
 
-    # -- aborting -----------------------------------------------------------------
-
     def abort(self, request_id: int) -> bool:
-        """Drop a pending request (all n of its sequences) and free their blocks; False if
-        none is pending."""
+        """Drop a pending request (its n sequences), freeing their blocks; False if not pending."""
         seqs = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
         for seq in seqs:  # O(n), but aborting is rare and off the step path
             (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
             self._finish(seq, FinishReason.ABORT)
         return bool(seqs)
 
-    def abort_all(self) -> list[int]:
-        """Drop every pending request (after a failed step); returns their ids."""
-        seqs = [*self.waiting, *self.running]
+    def abort_all(self) -> None:
+        """Drop every pending request (after a failed step)."""
+        for seq in [*self.waiting, *self.running]:
+            self._finish(seq, FinishReason.ABORT)
         self.waiting.clear()
         self.running.clear()
-        for seq in seqs:
-            seq.num_scheduled_tokens = 0
-            self._finish(seq, FinishReason.ABORT)
-        return [seq.seq_id for seq in seqs]
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.running)

@@ -1,14 +1,11 @@
-"""One request as the control plane sees it: token ids, how many have KV in the cache,
-how many run this step, and which cache blocks hold them.
+"""One request (one of its n completions) as the control plane sees it:
 
     token_ids:  [ prompt ............ | completion ...... ]
                 [ cached (KV in cache) | scheduled | rest ]
                 0              num_cached_tokens          num_tokens
 
-`num_cached_tokens` counts tokens whose K/V is already in the paged cache (from the
-prefix cache or an earlier step). A step computes `num_scheduled_tokens` tokens
-starting there; a prefill chunk that ends at `num_tokens` yields the next token.
-"""
+A step computes `num_scheduled_tokens` tokens from `num_cached_tokens` on (KV from the
+prefix cache or an earlier step); a prefill chunk that ends at `num_tokens` yields a token."""
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
@@ -47,27 +44,23 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.last_token = self.token_ids[-1]
-        self.num_tokens = len(self.token_ids)
-        self.num_prompt_tokens = self.num_tokens
-        self.num_cached_tokens = 0
-        self.num_scheduled_tokens = 0
-        # True until the whole sequence has KV in the cache; set again on preemption.
-        self.is_prefill = True
+        self.num_tokens = self.num_prompt_tokens = len(self.token_ids)
+        self.num_cached_tokens = self.num_scheduled_tokens = 0
+        self.is_prefill = True  # until the whole sequence has KV in the cache; again if preempted
         self.block_table: list[int] = []
         self.block_size = block_size
         self.sampling_params = sampling_params
+        p = sampling_params or SamplingParams()  # None: a warmup batch's sequence
         # The token ids that end it, resolved once: its stop ids, and EOS unless ignored.
-        p = sampling_params
-        self.stop_token_ids = frozenset() if p is None else frozenset(
-            [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)])
-        self.finish_reason: FinishReason | None = None  # set when it finishes
+        eos = () if p.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset([*p.stop_token_ids, *eos])
+        self.finish_reason: FinishReason | None = None
         self.stop_text: str | None = None  # the text before the stop string that ended it
         self.parent, self.index = parent, index
         self.num_prefix_cached_tokens = -1  # prompt tokens that were prefix-cache hits
-        # Asked-for logprobs as they come: per completion token, per prompt token (once a request)
-        asks = p is not None and p.logprobs is not None, p is not None and p.prompt_logprobs is not None
-        self.logprobs = [] if asks[0] else None
-        self.prompt_logprobs = [None] if asks[1] and parent is None else None
+        # Asked-for logprobs as they come: per completion token; per prompt token (once a request)
+        self.logprobs = [] if p.logprobs is not None else None
+        self.prompt_logprobs = [None] if p.prompt_logprobs is not None and parent is None else None
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -91,13 +84,13 @@ class Sequence:
 
     @property
     def needs_prompt_logits(self) -> bool:
-        """Prompt logprobs still owed: every prompt row needs logits, none may come from
-        the prefix cache. (Workers see [] for True, None for False.)"""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        """Prompt logprobs still owed: every prompt row needs logits, none from the prefix
+        cache. (Workers see [] for True, None for False.)"""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def num_blocks(self) -> int:
-        """Blocks needed to hold every token's KV."""
         return cdiv(self.num_tokens, self.block_size)
 
     def block(self, i: int) -> list[int]:
@@ -121,12 +114,8 @@ class Sequence:
          self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
          tokens, needs_prompt_logits) = state
         self.prompt_logprobs = [] if needs_prompt_logits else None
-        if self.is_prefill:
-            self.token_ids = tokens
-            self.last_token = tokens[-1]
-        else:
-            self.token_ids = []
-            self.last_token = tokens
+        self.token_ids = tokens if self.is_prefill else []
+        self.last_token = tokens[-1] if self.is_prefill else tokens
         self.status = SequenceStatus.RUNNING
         self.sampling_params = self.finish_reason = self.stop_text = None
         self.stop_token_ids = frozenset()

@@ -1,2 +1,1 @@
-"""Sampling: the per-batch metadata built on the host (metadata.py) and the batched
-sampler that applies it on the device (sampler.py)."""
+"""Sampling: the per-batch metadata built on the host, and the sampler that applies it."""

@@ -1,11 +1,9 @@
-"""Logprobs, only for the sequences that ask, of the model's raw distribution (vLLM v1's
-default): log_softmax of the logits before penalties, temperature and filters. An entry is
-{token id: Logprob}: the chosen token (sampled, or the prompt's next) ranked 1 + the others
-at least as likely (vLLM's count), then the top k, ranked 1..k.
-
+"""Logprobs of the model's raw distribution (vLLM v1's default: before penalties, temperature
+and filters), for the sequences that ask. An entry is {token id: Logprob}: the chosen token
+(sampled, or the prompt's next) ranked 1 + the others at least as likely, then the top k.
 Logits rows: sequence i owns rows[i] consecutive ones (logits_rows); in a prefill chunk
-starting at position s, its row j predicts token s + j + 1; its last row samples.
-"""
+starting at position s, its row j predicts token s + j + 1; its last row samples."""
+from itertools import islice
 from typing import NamedTuple
 
 import torch
@@ -25,9 +23,8 @@ class LogprobRows(NamedTuple):
 
 
 def find_logprob_rows(seqs: list[Sequence], rows: list[int] | None) -> LogprobRows | None:
-    """None when no sequence needs logprobs this step (the common case costs one scan).
-    Prompt tokens already recorded are skipped: a prompt recomputed after a preemption
-    predicts them again."""
+    """None when no sequence needs logprobs this step (the common case: one scan). Prompt
+    tokens already recorded (a prompt recomputed after a preemption) are skipped."""
     if rows is None and all(seq.logprobs is None for seq in seqs):
         return None
     asked = LogprobRows([], [], [], [], [])
@@ -42,7 +39,7 @@ def find_logprob_rows(seqs: list[Sequence], rows: list[int] | None) -> LogprobRo
         asked.prompt_targets.extend(seq.token_ids[lo:hi])
         asked.prompt_counts.append(hi - lo)
         offset += n
-        if seq.logprobs is not None and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq):
+        if seq.logprobs is not None and start + seq.num_scheduled_tokens == len(seq):
             asked.sample_rows.append(i)
             sample_picks.append(offset - 1)
             sample_ks.append(seq.sampling_params.logprobs)
@@ -62,12 +59,10 @@ def collect_logprobs(asked: LogprobRows, logprobs: torch.Tensor, sampled: torch.
     targets = to_device(torch.tensor(asked.prompt_targets, dtype=torch.long), sampled.device)
     rows = to_device(torch.tensor(asked.sample_rows, dtype=torch.long), sampled.device)
     entries = to_dicts(logprobs, torch.cat([targets, sampled[rows]]), asked.ks)
-    prompt, i = [], 0
-    for count in asked.prompt_counts:
-        prompt.append(entries[i:i + count])
-        i += count
+    rest = iter(entries)  # prompt entries, sequence by sequence, then the sampled ones
+    prompt = [list(islice(rest, count)) for count in asked.prompt_counts]
     sample: list[dict | None] = [None] * num_seqs
-    for row, entry in zip(asked.sample_rows, entries[i:]):
+    for row, entry in zip(asked.sample_rows, rest):
         sample[row] = entry
     return sample, prompt
 

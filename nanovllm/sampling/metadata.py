@@ -1,14 +1,14 @@
-"""What the sampler needs to know about a batch, built on the host from its sequences
-(rank 0 only, where sequences hold every token): which work the batch needs (a None
-field: no row needs it), and the token counts penalties read, kept on the device."""
+"""What the sampler needs to know about a batch (a None field: no row needs it), from rank 0."""
 from dataclasses import dataclass
 from hashlib import blake2b
 
 import torch
+import torch.nn.functional as F
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.runner.device import to_device
 from nanovllm.sampling_params import SamplingParams
+
 
 @dataclass(slots=True)
 class Penalties:
@@ -39,8 +39,7 @@ class SamplingMetadata:
 
 
 def seed_key(seed: int, step: int) -> int:
-    """The 32-bit key of a seeded row's random numbers at its `step`-th completion token:
-    a function of (seed, step) alone, so of nothing else in the batch."""
+    """The 32-bit key of a seeded row's noise at its `step`-th token: nothing else in the batch."""
     digest = blake2b(f"{seed}:{step}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
@@ -53,11 +52,9 @@ class _Tracked:
 
 
 class TokenCounts:
-    """Per-sequence token counts on the device, kept across steps so a step sends only
-    the tokens appended since the last one, not whole histories.
-
-    Slot s (one per tracked sequence) holds output_counts[s] (times each token is in the
-    completion) and in_prompt[s]. A slot is freed once its sequence has finished."""
+    """Per-sequence token counts on the device, kept across steps so a step sends only the
+    tokens appended since the last one. Slot s (one per tracked sequence, freed once it has
+    finished) holds output_counts[s] (times each token is in the completion) and in_prompt[s]."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -70,52 +67,37 @@ class TokenCounts:
 
     def update(self, seqs: list[Sequence]) -> torch.Tensor:
         """Count the tokens of `seqs` not counted yet; returns their slots [len(seqs)]."""
-        self._release_finished()
-        prompt_slots, prompt_ids, output_slots, output_ids = [], [], [], []
+        for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
+            self.free_slots.append(self.tracked.pop(seq_id).slot)
+        prompt, output = [], []  # (slot, token id) of each token not counted yet
         for seq in seqs:
             entry = self.tracked.get(seq.seq_id) or self._assign(seq)
             split = max(entry.num_counted, seq.num_prompt_tokens)
-            new_prompt = seq.token_ids[entry.num_counted:split]
-            new_output = seq.token_ids[split:]
-            prompt_slots += [entry.slot] * len(new_prompt)
-            prompt_ids += new_prompt
-            output_slots += [entry.slot] * len(new_output)
-            output_ids += new_output
+            prompt += [(entry.slot, t) for t in seq.token_ids[entry.num_counted:split]]
+            output += [(entry.slot, t) for t in seq.token_ids[split:]]
             entry.num_counted = len(seq)
-        if prompt_ids:  # a device-side True: a Python scalar would be a blocking copy
-            self.in_prompt.index_put_(self._index(prompt_slots, prompt_ids), self._true)
-        if output_ids:
-            self.output_counts.index_put_(self._index(output_slots, output_ids),
-                                          torch.ones(len(output_ids), device=self.device),
+        if prompt:  # a device-side True: a Python scalar would be a blocking copy
+            self.in_prompt.index_put_(self._index(prompt), self._true)
+        if output:
+            self.output_counts.index_put_(self._index(output),
+                                          torch.ones(len(output), device=self.device),
                                           accumulate=True)
         return to_device(torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs]),
                          self.device)
 
-    def _index(self, slots: list[int], token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = to_device(torch.tensor([slots, token_ids]), self.device)  # [2, n]: one transfer
-        return index[0], index[1]
+    def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+        return to_device(torch.tensor(pairs), self.device).unbind(1)  # [n, 2]: one transfer
 
     def _assign(self, seq: Sequence) -> _Tracked:
-        if not self.free_slots:
-            self._grow()
+        if not self.free_slots:  # double the slots (at least 8 more), zero-padded
+            old = self.output_counts.shape[0]
+            self.output_counts = F.pad(self.output_counts, (0, 0, 0, max(8, old)))
+            self.in_prompt = F.pad(self.in_prompt, (0, 0, 0, max(8, old)))
+            self.free_slots.extend(range(self.output_counts.shape[0] - 1, old - 1, -1))
         entry = self.tracked[seq.seq_id] = _Tracked(seq, self.free_slots.pop())
         self.output_counts[entry.slot].zero_()
         self.in_prompt[entry.slot].zero_()
         return entry
-
-    def _grow(self) -> None:
-        old = self.output_counts.shape[0]
-        new = max(8, 2 * old)
-        for name in ("output_counts", "in_prompt"):
-            tensor = getattr(self, name)
-            grown = tensor.new_zeros(new, self.vocab_size)
-            grown[:old] = tensor
-            setattr(self, name, grown)
-        self.free_slots.extend(range(new - 1, old - 1, -1))
-
-    def _release_finished(self) -> None:
-        for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
-            self.free_slots.append(self.tracked.pop(seq_id).slot)
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts: TokenCounts,
@@ -136,7 +118,12 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts:
     if not m.all_greedy:
         sampled = [not g for g in greedy]
         _add_filters(m, params, sampled, vocab_size, put)
-        _add_seeds(m, seqs, sampled, put)
+        seeded = [i for i, (p, s) in enumerate(zip(params, sampled)) if s and p.seed is not None]
+        if seeded:
+            m.seeded_rows = put(seeded)
+            m.seed_keys = put([seed_key(params[i].seed, seqs[i].num_completion_tokens)
+                               for i in seeded])
+            m.all_seeded = len(seeded) == sum(sampled)
     return m
 
 
@@ -156,28 +143,12 @@ def _add_filters(m: SamplingMetadata, params: list[SamplingParams], sampled: lis
         m.min_p = put(min_p)
 
 
-def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: list[bool], put) -> None:
-    rows = [i for i, (seq, s) in enumerate(zip(seqs, sampled))
-            if s and seq.sampling_params.seed is not None]
-    if not rows:
-        return
-    keys = [seed_key(seqs[i].sampling_params.seed, seqs[i].num_completion_tokens) for i in rows]
-    m.seeded_rows, m.seed_keys = put(rows), put(keys)
-    m.all_seeded = len(rows) == sum(sampled)
-
-
 def _suppressed(seqs: list[Sequence], put) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) that min_tokens forbids: the sequence's stop ids (EOS included
-    unless ignore_eos), resolved when it was made."""
-    rows, ids = [], []
-    for row, seq in enumerate(seqs):
-        if seq.num_completion_tokens < seq.sampling_params.min_tokens:
-            rows.extend([row] * len(seq.stop_token_ids))
-            ids.extend(seq.stop_token_ids)
-    if not rows:
-        return None
-    flat = put([rows, ids])  # [2, n]: one transfer
-    return flat[0], flat[1]
+    """(rows, token ids) that min_tokens forbids: each sequence's stop ids (EOS unless ignored)."""
+    pairs = [(row, token_id) for row, seq in enumerate(seqs)
+             if seq.num_completion_tokens < seq.sampling_params.min_tokens
+             for token_id in seq.stop_token_ids]
+    return put(pairs).unbind(1) if pairs else None  # [n, 2]: one transfer
 
 
 def _penalties(seqs: list[Sequence], counts: TokenCounts, put) -> Penalties | None:

@@ -1,13 +1,10 @@
-"""Turns the last-token logits of each sequence into one token id per row, every row
-with its own settings (vLLM's semantics), in one batched pass:
+"""One token id per row of logits, every row with its own settings (vLLM's), in one pass:
 
     suppressed ids -> penalties -> [greedy rows: argmax]
                    -> temperature -> top-k -> top-p -> min-p -> sample
 
 Sampling is the exponential race: argmax(p / E), E ~ Exp(1) iid per token, draws exactly
-from p. A seeded row's E is a counter-based hash of (key from (seed, tokens so far), token
-id), so its tokens do not depend on the batch around it.
-"""
+from p. A seeded row's E hashes (seed, tokens so far, token id): no batch dependence."""
 import torch
 from torch import nn
 
@@ -16,7 +13,6 @@ from nanovllm.sampling.metadata import Penalties, SamplingMetadata
 
 
 class Sampler(nn.Module):
-
     def __init__(self):
         super().__init__()
         self._softmax_race = softmax_race.select()  # compiled on CUDA: one fused pass
@@ -40,15 +36,16 @@ class Sampler(nn.Module):
             logits = apply_min_p(logits, m.min_p)
         if m.seed_keys is None:
             sampled = self._softmax_race(logits)
-        else:
+        else:  # seeded rows' noise is a function of (seed key, token id), the others' unseeded
             probs = torch.softmax(logits, dim=-1)
-            sampled = (probs / exponential_noise(probs, m)).argmax(dim=-1)
+            noise = torch.empty_like(probs) if m.all_seeded else unseeded_noise(probs)
+            noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
+            sampled = (probs / noise).argmax(dim=-1)
         return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """vLLM's penalties on [P, vocab] logits: repetition over prompt and completion
-    tokens, presence and frequency over completion tokens."""
+    """vLLM's penalties on [P, vocab]: repetition (prompt and completion), presence, frequency."""
     in_output = p.output_counts > 0
     seen = in_output | p.in_prompt
     repetition = p.repetition[:, None]
@@ -59,10 +56,8 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
                       top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set the logits that top-k, then top-p, filter out to -inf. Ties with the k-th
-    largest logit are kept."""
-    if top_p is None:
-        # Top-k alone needs only the max_top_k largest values, not a full sort.
+    """Set the logits that top-k, then top-p, filter out to -inf (ties with the k-th stay)."""
+    if top_p is None:  # top-k alone needs only the max_top_k largest values, not a sort
         values = logits.topk(max_top_k, dim=-1).values                     # [B, max_top_k]
         kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
         kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)   # rows keeping all
@@ -71,9 +66,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     if top_k is not None:
         kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    # Ascending, a token goes when the tokens ranked at or below it hold at most 1 - p:
-    # those ranked above it then reach p without it. The token that crosses p stays,
-    # and p = 1 removes only tokens whose probability is exactly 0.
+    # Ascending, a token goes when those ranked at or below it hold at most 1 - p: those above
+    # reach p without it. The one crossing p stays; p = 1 drops only probability-0 tokens.
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= 1 - top_p[:, None]
     drop[:, -1] = False  # the most likely token always stays
@@ -82,55 +76,37 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens with p < min_p * p_max, i.e. logit < max logit + log(min_p)
-    (log 0 = -inf keeps every token)."""
+    """Drop tokens with p < min_p * p_max: logit < max logit + log(min_p) (log 0 keeps all)."""
     threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
 @HotOp
 def softmax_race(logits: torch.Tensor) -> torch.Tensor:
-    """[B, vocab] logits -> [B] token ids drawn from softmax(logits), every row with
-    the global generator's noise."""
+    """[B, vocab] logits -> [B] token ids drawn from softmax(logits), unseeded."""
     probs = torch.softmax(logits, dim=-1)
     return (probs / unseeded_noise(probs)).argmax(dim=-1)
 
 
 def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise from the global generator, as -log(U) with U ~ Uniform[0, 1): on a CPU
-    rand + log run on every thread, where exponential_() runs on one (measured 14% of a
-    decode step there). Clamped: a draw of 0 would make 0 / 0 for a filtered-out token."""
+    """Exp(1) noise as -log(U): on a CPU rand + log use every thread, exponential_() one (14% of
+    a decode step). Clamped: a draw of 0 would make 0 / 0 for a filtered-out token."""
     return torch.rand_like(probs).log_().neg_().clamp_min_(1e-10)
 
 
-def exponential_noise(probs: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    """[B, vocab] Exp(1) noise of a batch with seeded rows: a pure function of (seed
-    key, token id) for those, the global generator's for the others."""
-    noise = unseeded_noise(probs) if not m.all_seeded else torch.empty_like(probs)
-    noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
-    return noise
-
-
-_MASK32 = 0xFFFFFFFF
-
-
 def mix32(x):
-    """A 32-bit integer hash (Wellons' 'prospector' xorshift-multiply) of an int or an
-    int64 tensor holding values in [0, 2**32). Both multipliers are below 2**30, so
-    every product stays below 2**62: exact in int64 on every device."""
+    """Wellons' 32-bit 'prospector' hash of ints in [0, 2**32), exact in int64 on any device."""
     x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF  # multipliers < 2**30: every product < 2**62
     x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & _MASK32
+    x = (x * 0x297A2D39) & 0xFFFFFFFF
     return x ^ (x >> 15)
 
 
 def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S] 32-bit keys -> [S, vocab] Exp(1) noise, bits = mix32(key ^ mix32(token id)).
-    Bit-identical on the CPU and CUDA (integer arithmetic only, up to the final log)."""
+    """[S] keys -> [S, vocab] Exp(1) noise, the same on every device (integers up to the log)."""
     token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
     bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
-    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32, so
-    # -log(u) is finite and never 0.
+    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32: 0 < -log(u) < inf.
     u = ((bits >> 9) * 2 + 1).float().mul_(2.0 ** -24)
     return u.log_().neg_()
