@@ -256,6 +256,7 @@ def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(cl
              (dict(prompt="x", max_tokens="ten"), "max_tokens"),
              (dict(prompt="word " * 600), "prompt"),  # longer than max_model_len=512
              (dict(prompt=[[1, 2], "x", 3]), "prompt"),
+             (dict(prompt=["x", [1, 10**6]]), "prompt"),  # "prompt 1: token id ... outside"
              (dict(prompt="x", echo=True), "echo")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -16,6 +16,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine import EngineStats, LLMEngine, NewToken
 from nanovllm.outputs import CompletionOutput, Logprob
@@ -41,7 +43,7 @@ class ChoiceStream:
     there (vLLM v1's stop_buffer_length), so no part of one is ever streamed: what is sent
     is always a prefix of the final text, which the finished CompletionOutput gives."""
 
-    def __init__(self, index: int, tokenizer, params: SamplingParams):
+    def __init__(self, index: int, tokenizer: PreTrainedTokenizerBase, params: SamplingParams):
         self.index = index
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop),
@@ -178,6 +180,9 @@ class AsyncEngine:
         except Exception as e:  # e.g. a prompt too long: refuse the whole request
             for request_id in stream.request_ids:
                 self.engine.abort_request(request_id)
+            if len(stream.prompts) > 1 and isinstance(e, (TypeError, ValueError)):
+                kind = TypeError if isinstance(e, TypeError) else ValueError
+                e = kind(f"prompt {len(stream.request_ids)}: {e}")  # which prompt of the list
             self._reply(stream.added, e)
             return
         for i, request_id in enumerate(stream.request_ids):
