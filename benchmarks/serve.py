@@ -11,7 +11,9 @@ lengths uniform in the preset's ranges); each streams a completion of exactly it
 length (ignore_eos, temperature 0) with the usage in its last chunk. Each client sends its
 next request when the previous one ends. Reported per server: output tokens per second
 over the run (first request sent to last chunk), time to first token (TTFT: sent -> first
-chunk with text) and inter-token latency (ITL: the gaps between a request's text chunks)
+chunk with text), inter-token latency (ITL: the gaps between a request's text chunks)
+and time per output token (TPOT: a request's first-to-last chunk time over its tokens
+less one; unlike ITL it does not shrink when a server sends several tokens in a burst)
 at p50 and p99. A server started here runs in its own process group, killed afterwards.
 """
 import argparse
@@ -39,7 +41,8 @@ NAME = "bench-model"  # the served model name, on both servers
 
 class Sample(NamedTuple):
     ttft_s: float
-    itl_s: list[float]
+    itl_s: list[float]   # gaps between text chunks
+    tpot_s: float        # (last chunk - first chunk) / (output tokens - 1)
     output_tokens: int
 
 
@@ -81,7 +84,7 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
         if chunk.usage is not None:
             output_tokens = chunk.usage.completion_tokens
     return Sample(arrivals[0] - sent, [b - a for a, b in zip(arrivals, arrivals[1:])],
-                  output_tokens)
+                  (arrivals[-1] - arrivals[0]) / max(1, output_tokens - 1), output_tokens)
 
 
 async def run_clients(base_url: str, model: str | None, requests: list[tuple[list[int], int]],
@@ -106,6 +109,7 @@ async def run_clients(base_url: str, model: str | None, requests: list[tuple[lis
     itl = [gap for s in samples for gap in s.itl_s]
     return {"output_tok_s": sum(s.output_tokens for s in samples) / elapsed, "time_s": elapsed,
             "ttft_ms": percentiles([s.ttft_s for s in samples]), "itl_ms": percentiles(itl),
+            "tpot_ms": percentiles([s.tpot_s for s in samples]),
             "output_tokens": sum(s.output_tokens for s in samples)}
 
 
@@ -180,12 +184,14 @@ def print_table(rows: dict[str, dict], args: argparse.Namespace) -> None:
                    "?")
     print(f"CPU: {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; "
           f"{args.num_requests} requests, {args.num_clients} clients, preset {args.preset}")
-    print("| server | output tok/s | time (s) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
-    print("|---|---|---|---|---|")
+    print("| server | output tok/s | time (s) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+          "TPOT p50 / p99 (ms) |")
+    print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['output_tok_s']:.1f} | {r['time_s']:.2f} | "
               f"{r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} | "
-              f"{r['itl_ms'][0]:.1f} / {r['itl_ms'][1]:.1f} |")
+              f"{r['itl_ms'][0]:.1f} / {r['itl_ms'][1]:.1f} | "
+              f"{r['tpot_ms'][0]:.1f} / {r['tpot_ms'][1]:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
