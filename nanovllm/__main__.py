@@ -1,7 +1,4 @@
-"""`python -m nanovllm serve MODEL [options]`: see nanovllm/entrypoints/cli.py."""
-import sys
-
+"""`python -m nanovllm serve MODEL ...`: see nanovllm/entrypoints/cli.py."""
 if __name__ == "__main__":
     from nanovllm.entrypoints.cli import main
-
-    sys.exit(main())
+    raise SystemExit(main())
