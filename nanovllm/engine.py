@@ -23,10 +23,24 @@ from nanovllm.sampling_params import SamplingParams
 Prompt = str | list[int] | dict  # dict: vLLM's TextPrompt or TokensPrompt
 
 
+class NewToken(NamedTuple):
+    request_id: int          # what add_request returned
+    index: int               # which of the request's n completions
+    token_id: int
+    logprobs: dict | None    # its logprob entry if asked for (decoded_token not filled in)
+
+
 class StepOutput(NamedTuple):
     finished: list[CompletionOutput]  # the sequences that finished this step
     num_prefill_tokens: int           # prompt tokens computed this step
     num_decode_tokens: int            # decode tokens computed this step
+    new_tokens: list[NewToken] = []   # every sequence's token of this step, finished or not
+
+
+class EngineStats(NamedTuple):
+    num_running: int       # sequences holding KV blocks
+    num_waiting: int       # sequences queued (preempted ones included)
+    kv_cache_usage: float  # fraction of KV blocks held by a sequence
 
 
 class LLMEngine:
@@ -112,8 +126,12 @@ class LLMEngine:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
             self.scheduler.abort_all()
             raise
+        new_tokens = [NewToken(seq.request_id, seq.index, seq.last_token,
+                               seq.logprobs[-1] if seq.logprobs else None)
+                      for seq in seqs if not seq.is_prefill]  # a prefill chunk short of the end: none
         return StepOutput([self._completion_output(seq) for seq in finished],
-                          num_prefill_tokens=num_prefill, num_decode_tokens=num_decode)
+                          num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
+                          new_tokens=new_tokens)
 
     def _completion_output(self, seq: Sequence) -> CompletionOutput:
         token_ids = seq.completion_token_ids
@@ -149,6 +167,11 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def stats(self) -> EngineStats:
+        blocks = self.scheduler.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           1 - blocks.num_free_blocks / blocks.num_blocks)
 
     def close(self) -> None:
         """Release the KV cache and the model's device memory; harmless to call twice."""

@@ -38,6 +38,24 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
+@pytest.fixture(scope="session")
+def bos_checkpoint(checkpoints, tmp_path_factory) -> Path:
+    """The gqa checkpoint with a tokenizer that puts <|endoftext|> first (a BOS, as Llama's
+    does) whenever it adds special tokens."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    path = tmp_path_factory.mktemp("bos") / "gqa_bos"
+    shutil.copytree(checkpoints["gqa"], path)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = tokenizer.token_to_id("<|endoftext|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
 @lru_cache(maxsize=None)
 def hf_model(path: str):
     import torch

@@ -24,3 +24,6 @@ def test_wheel_contains_and_imports_every_module(tmp_path):
             f"    assert module.__file__.startswith({str(target)!r}), module.__file__\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path,
                    env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    # `nanovllm serve ...`: the console script the wheel installs
+    entry_points = next(target.glob("nano_vllm-*.dist-info")) / "entry_points.txt"
+    assert "nanovllm = nanovllm.entrypoints.cli:main" in entry_points.read_text()

@@ -1,11 +1,8 @@
 """What a vLLM script reads and writes: prompt dicts, LLM.chat, get_tokenizer, the
 RequestOutput / CompletionOutput shapes (and nano-vLLM's out["text"]), stop_reason,
 include_stop_str_in_output, skip_special_tokens, max_tokens=None."""
-import shutil
-
 import pytest
 import torch
-from tokenizers import Tokenizer, processors
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import FinishReason, Sequence
@@ -16,20 +13,6 @@ from conftest import hf_greedy, hf_model
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 USER = [{"role": "user", "content": "hi there"}]
-
-
-@pytest.fixture(scope="module")
-def bos_checkpoint(checkpoints, tmp_path_factory):
-    """The gqa checkpoint with a tokenizer that puts <|endoftext|> first (a BOS, as Llama's
-    does) whenever it adds special tokens."""
-    path = tmp_path_factory.mktemp("bos") / "gqa_bos"
-    shutil.copytree(checkpoints["gqa"], path)
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    bos = tokenizer.token_to_id("<|endoftext|>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
-    tokenizer.save(str(path / "tokenizer.json"))
-    return path
 
 
 @pytest.fixture(scope="module")
