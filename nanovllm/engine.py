@@ -1,10 +1,5 @@
-"""LLMEngine: the orchestrator. `step()` is the heartbeat:
-
-    schedule() -> run() -> postprocess()
-
-The scheduler (control plane) decides what runs and which requests end, the model runner
-(data plane) computes one token per scheduled sequence.
-"""
+"""LLMEngine: `step()` is the heartbeat, schedule() -> run() -> postprocess(). The scheduler
+decides what runs and what ends; the model runner computes a token per scheduled sequence."""
 import os
 from dataclasses import replace
 from functools import partial

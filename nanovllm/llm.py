@@ -1,10 +1,5 @@
-"""The public entry point: `from nanovllm import LLM, SamplingParams`.
-
-    llm = LLM("~/huggingface/Qwen3-0.6B/")
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))
-    outputs[0].outputs[0].text      # vLLM's RequestOutput
-    outputs[0]["text"], outputs[0]["token_ids"]   # nano-vLLM's
-"""
+"""The public entry point, `from nanovllm import LLM, SamplingParams`: generate() and chat()
+return vLLM's RequestOutputs, which also answer nano-vLLM's out["text"], out["token_ids"]."""
 from numbers import Integral
 from time import perf_counter
 
