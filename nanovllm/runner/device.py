@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from nanovllm.config import checkpoint_dtype
@@ -103,6 +104,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def list_to_device(data: list, device: torch.device) -> torch.Tensor:
+    """torch.tensor(data) on `device`, built through numpy, several times faster for a long
+    list; floats become float32, as torch.tensor makes them."""
+    array = np.array(data)
+    return to_device(torch.from_numpy(array.astype(np.float32) if array.dtype == np.float64
+                                      else array), device)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

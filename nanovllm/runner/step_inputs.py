@@ -8,6 +8,7 @@ goes to its slot (block_size 4):
 """
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, ForwardContext
@@ -31,24 +32,35 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
     lens_q = [1] * num_decode + [seq.num_scheduled_tokens for seq in prefill]
-    width = max(len(seq.block_table) for seq in seqs)  # [num_seqs, width], padded with -1
-    block_tables = torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table))
-                                 for seq in seqs], dtype=torch.int32)
-    positions_t = torch.tensor(positions)
-    rows = torch.arange(len(seqs)) if not prefill else \
-        torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens_q))
-    slots = block_tables[rows, positions_t // block_size].long() * block_size \
-        + positions_t % block_size
-    ctx = ForwardContext(to_device(slots, device), num_decode_tokens=num_decode)
+    block_tables = _block_tables(seqs)
+    positions_np = np.array(positions, dtype=np.int64)
+    rows = np.repeat(np.arange(len(seqs)), lens_q) if prefill else np.arange(len(seqs))
+    slots = block_tables[rows, positions_np // block_size].astype(np.int64) * block_size \
+        + positions_np % block_size
+    ctx = ForwardContext(_to_device(slots, device), num_decode_tokens=num_decode)
     if decode:
-        lens = positions_t[:num_decode].int() + 1
-        ctx.decode = AttentionMetadata(to_device(block_tables[:num_decode], device),
-                                       context_lens=to_device(lens, device))
+        lens = (positions_np[:num_decode] + 1).astype(np.int32)
+        ctx.decode = AttentionMetadata(_to_device(block_tables[:num_decode], device),
+                                       context_lens=_to_device(lens, device))
     if prefill:
         ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:], device)
         ctx.logits_indices = to_device(_logits_indices(seqs, lens_q), device)
-    return StepInputs(to_device(torch.tensor(input_ids), device), to_device(positions_t, device),
-                      ctx)
+    return StepInputs(_to_device(np.array(input_ids, dtype=np.int64), device),
+                      _to_device(positions_np, device), ctx)
+
+
+def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+    """[num_seqs, width] int32, padded with -1 (numpy: torch.tensor of lists is slower)."""
+    width = max(len(seq.block_table) for seq in seqs)
+    flat: list[int] = []
+    for seq in seqs:
+        flat += seq.block_table
+        flat += [-1] * (width - len(seq.block_table))
+    return np.array(flat, dtype=np.int32).reshape(len(seqs), width)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return to_device(torch.from_numpy(array), device)
 
 
 def logits_rows(seqs: list[Sequence]) -> list[int] | None:
@@ -79,7 +91,7 @@ def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,
     cu_seqlens = to_device(cu_seqlens, device)
     has_prefix = any(seq.num_cached_tokens for seq in seqs)
     return AttentionMetadata(
-        block_tables=to_device(block_tables, device) if has_prefix else None,
+        block_tables=_to_device(block_tables, device) if has_prefix else None,
         cu_seqlens_q=cu_seqlens[0], cu_seqlens_k=cu_seqlens[1],
         max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
         seqlens_q=seqlens_q, seqlens_k=seqlens_k)

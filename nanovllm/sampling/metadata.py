@@ -2,11 +2,12 @@
 from dataclasses import dataclass
 from hashlib import blake2b
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from nanovllm.core.sequence import Sequence
-from nanovllm.runner.device import to_device
+from nanovllm.runner.device import list_to_device
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -82,11 +83,10 @@ class TokenCounts:
             self.output_counts.index_put_(self._index(output),
                                           torch.ones(len(output), device=self.device),
                                           accumulate=True)
-        return to_device(torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs]),
-                         self.device)
+        return list_to_device([self.tracked[seq.seq_id].slot for seq in seqs], self.device)
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
-        return to_device(torch.tensor(pairs), self.device).unbind(1)  # [n, 2]: one transfer
+        return list_to_device(pairs, self.device).unbind(1)  # [n, 2]: one transfer
 
     def _assign(self, seq: Sequence) -> _Tracked:
         if not self.free_slots:  # double the slots (at least 8 more), zero-padded
@@ -102,45 +102,55 @@ class TokenCounts:
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts: TokenCounts,
                             device: torch.device) -> SamplingMetadata:
-    """The per-row tensors of a batch, on `device`; features no row uses stay None."""
-    def put(data: list) -> torch.Tensor:
-        return to_device(torch.tensor(data), device)
+    """The per-row tensors of a batch, on `device`; features no row uses stay None. Settings
+    are read once per distinct SamplingParams (a batch usually shares one) and spread to rows."""
+    def put(data: list | np.ndarray) -> torch.Tensor:
+        return list_to_device(data, device)
 
-    params = [seq.sampling_params for seq in seqs]
-    greedy = [p.is_greedy for p in params]
-    m = SamplingMetadata(temperatures=put([1.0 if g else p.temperature
-                                           for p, g in zip(params, greedy)]),
-                         all_greedy=all(greedy))
-    if any(greedy):
+    distinct: dict[int, int] = {}  # id(params) -> its index in `params`
+    row_params = np.array([distinct.setdefault(id(seq.sampling_params), len(distinct))
+                           for seq in seqs])
+    params = list({id(seq.sampling_params): seq.sampling_params for seq in seqs}.values())
+    greedy = np.array([p.is_greedy for p in params])[row_params]
+    m = SamplingMetadata(temperatures=put(np.array(
+        [1.0 if p.is_greedy else p.temperature for p in params], np.float32)[row_params]),
+        all_greedy=bool(greedy.all()))
+    if greedy.any():
         m.greedy = put(greedy)
-    m.suppressed = _suppressed(seqs, put)
-    m.penalties = _penalties(seqs, token_counts, put)
+    if any(p.min_tokens for p in params):
+        m.suppressed = _suppressed(seqs, put)
+    if any(p.has_penalties for p in params):
+        m.penalties = _penalties(seqs, token_counts, put)
     if not m.all_greedy:
-        sampled = [not g for g in greedy]
-        _add_filters(m, params, sampled, vocab_size, put)
-        seeded = [i for i, (p, s) in enumerate(zip(params, sampled)) if s and p.seed is not None]
-        if seeded:
-            m.seeded_rows = put(seeded)
-            m.seed_keys = put([seed_key(params[i].seed, seqs[i].num_completion_tokens)
-                               for i in seeded])
-            m.all_seeded = len(seeded) == sum(sampled)
+        _add_filters(m, params, row_params, ~greedy, vocab_size, put)
+        if any(p.seed is not None for p in params):
+            _add_seeds(m, seqs, ~greedy, put)
     return m
 
 
-def _add_filters(m: SamplingMetadata, params: list[SamplingParams], sampled: list[bool],
-                 vocab_size: int, put) -> None:
+def _add_filters(m: SamplingMetadata, params: list[SamplingParams], row_params: np.ndarray,
+                 sampled: np.ndarray, vocab_size: int, put) -> None:
     # Greedy rows keep everything: their token is the argmax, taken before the filters.
-    top_k = [p.top_k if s and 0 < p.top_k < vocab_size else vocab_size
-             for p, s in zip(params, sampled)]
-    top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
-    min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
-    if min(top_k) < vocab_size:
+    top_k = np.where(sampled, np.array([p.top_k if 0 < p.top_k < vocab_size else vocab_size
+                                        for p in params])[row_params], vocab_size)
+    top_p = np.where(sampled, np.array([p.top_p for p in params], np.float32)[row_params], 1)
+    min_p = np.where(sampled, np.array([p.min_p for p in params], np.float32)[row_params], 0)
+    if top_k.min() < vocab_size:
         m.top_k = put(top_k)
-        m.max_top_k = max(k for k in top_k if k < vocab_size)
-    if min(top_p) < 1:
-        m.top_p = put(top_p)
-    if max(min_p) > 0:
-        m.min_p = put(min_p)
+        m.max_top_k = int(top_k[top_k < vocab_size].max())
+    if top_p.min() < 1:
+        m.top_p = put(top_p.astype(np.float32))
+    if min_p.max() > 0:
+        m.min_p = put(min_p.astype(np.float32))
+
+
+def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: np.ndarray, put) -> None:
+    seeded = [i for i, seq in enumerate(seqs) if sampled[i] and seq.sampling_params.seed is not None]
+    if seeded:
+        m.seeded_rows = put(seeded)
+        m.seed_keys = put([seed_key(seqs[i].sampling_params.seed, seqs[i].num_completion_tokens)
+                           for i in seeded])
+        m.all_seeded = len(seeded) == int(sampled.sum())
 
 
 def _suppressed(seqs: list[Sequence], put) -> tuple[torch.Tensor, torch.Tensor] | None:
