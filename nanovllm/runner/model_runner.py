@@ -18,8 +18,7 @@ from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
-from nanovllm.runner.device import (default_dtype, local_device, resolve_device, resolve_dtype,
-                                    to_device)
+from nanovllm.runner.device import local_device, resolve_device, resolve_dtype, to_device
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
@@ -103,9 +102,13 @@ class ModelRunner:
         return 4 * sum(p.numel() for p in model.parameters()) + int(kv_bytes)
 
     def _build_model(self) -> torch.nn.Module:
-        hf_config = self.config.hf_config
-        with default_dtype(self.dtype), self.device, tp_group_scope(self.tp_group):
-            model = get_model_class(hf_config)(hf_config)
+        hf_config, previous_dtype = self.config.hf_config, torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # the parameters' dtype, restored even on failure
+        try:
+            with self.device, tp_group_scope(self.tp_group):
+                model = get_model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(previous_dtype)
         if self.config.load_format == "dummy":
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
         else:
