@@ -79,8 +79,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         default_weight_loader(param.data.narrow(0, offset, size), self._rank_slice(loaded, 0, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q | k | v projections in one matrix; each rank holds its heads of each."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q | k | v projections in one matrix (shard ids "q", "k", "v"); each rank has its heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
@@ -88,14 +88,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)
         self.num_kv_heads = divide(total_num_kv_heads, tp_size)
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias)
+        kv_size = total_num_kv_heads * head_dim
+        super().__init__(hidden_size, [total_num_heads * head_dim, kv_size, kv_size], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
-                        "v": (q_size + kv_size, kv_size)}[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), self._rank_slice(loaded, 0, size))
+        super().weight_loader(param, loaded, "qkv".index(shard_id))
 
 
 class RowParallelLinear(LinearBase):

@@ -57,7 +57,6 @@ class TokenCounts:
     finished) holds output_counts[s] (times each token is in the completion) and in_prompt[s]."""
 
     def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab_size = vocab_size
         self.device = device
         self.output_counts = torch.zeros(0, vocab_size, device=device)
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
@@ -82,8 +81,7 @@ class TokenCounts:
             self.output_counts.index_put_(self._index(output),
                                           torch.ones(len(output), device=self.device),
                                           accumulate=True)
-        return to_device(torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs]),
-                         self.device)
+        return to_device(torch.tensor([self.tracked[seq.seq_id].slot for seq in seqs]), self.device)
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
         return to_device(torch.tensor(pairs), self.device).unbind(1)  # [n, 2]: one transfer
