@@ -17,7 +17,7 @@ from nanovllm.distributed.launch import engine_store, join_replica_tp_group, tor
 from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
-from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
+from nanovllm.runner.cuda_graph import CUDAGraphRunner, block_table_width, use_cuda_graphs
 from nanovllm.runner.device import local_device, resolve_device, resolve_dtype, to_device
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
@@ -27,7 +27,6 @@ from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils import cdiv
 
 
 class SamplerOutput(NamedTuple):
@@ -139,7 +138,7 @@ class ModelRunner:
         else:
             budget, hint = int(config.cpu_kvcache_space_gib * 2**30), "raise cpu_kvcache_space_gib"
         block = math.prod(kv_cache_shape(self.attention_layers, 1, self.block_size))
-        most = config.max_num_seqs * cdiv(config.max_model_len + 1, self.block_size)
+        most = config.max_num_seqs * block_table_width(config.max_model_len, self.block_size)
         return min(num_blocks_within(budget, block * self.dtype.itemsize, hint), most)
 
     def _cuda_kv_budget(self) -> int:
