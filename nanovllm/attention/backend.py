@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchBackend
 
 
 class AttentionBackend(Protocol):
@@ -37,10 +38,7 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
     reason = None if name == "torch" else _why_not(name, device, block_size)
     if reason is not None:
         raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
-    if name == "torch":
-        from nanovllm.attention.torch_backend import TorchBackend
-        return TorchBackend()
-    return TritonBackend() if name == "triton" else FlashAttnBackend()
+    return {"torch": TorchBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}[name]()
 
 
 class TritonBackend:
@@ -65,8 +63,7 @@ class TritonBackend:
 
 
 class FlashAttnBackend:
-    """flash-attn's calls, nano-vLLM's (kvcache_block_size % 256 == 0); new K/V rows written
-    by our Triton kernel."""
+    """flash-attn's calls, nano-vLLM's; new K/V rows written by our Triton kernel."""
 
     name = "flash_attn"
 

@@ -94,6 +94,5 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [num_tokens, hidden]; router_logits [num_tokens, num_experts]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = self._experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                            topk_ids)
+        out = self._experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return self.tp_group.all_reduce(out)
