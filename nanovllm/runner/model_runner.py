@@ -165,7 +165,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         config = self.config
         max_len = min(config.max_model_len, config.max_num_batched_tokens)
-        num_seqs = max(1, min(config.max_num_batched_tokens // max_len, config.max_num_seqs))
+        num_seqs = min(config.max_num_batched_tokens // max_len, config.max_num_seqs)  # >= 1
         seqs = [Sequence([0] * max_len, None, self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = max_len
