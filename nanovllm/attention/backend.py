@@ -1,12 +1,14 @@
-"""The attention backend interface, and which backend runs where. Each step a layer writes
-the new K/V into their cache slots (`slot_mapping`, -1 = skip), then attends: prefill chunks
-causally over their cached prefix and themselves, decode rows over `context_lens` keys."""
+"""The attention backend interface, which backend runs where, and the `triton` and `flash_attn`
+backends (imported when built; `torch` has its own module). Each step a layer writes the new K/V
+into their cache slots (`slot_mapping`, -1 = skip), then attends: prefill chunks causally over
+their cached prefix and themselves, decode rows over `context_lens` keys."""
 import importlib
 from typing import Protocol
 
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchBackend
 
 
 class AttentionBackend(Protocol):
@@ -36,14 +38,56 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
     reason = None if name == "torch" else _why_not(name, device, block_size)
     if reason is not None:
         raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
-    if name == "torch":
-        from nanovllm.attention.torch_backend import TorchBackend
-        return TorchBackend()
-    if name == "triton":
-        from nanovllm.attention.triton_backend import TritonBackend
-        return TritonBackend()
-    from nanovllm.attention.flash_backend import FlashAttnBackend
-    return FlashAttnBackend()
+    return {"torch": TorchBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}[name]()
+
+
+class TritonBackend:
+    """Our kernels, on CUDA or in Triton's interpreter (TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from nanovllm import kernels  # imports triton
+        self.store_kvcache = kernels.store_kvcache  # the interface's signature
+        self._prefill = kernels.paged_prefill_attention
+        self._decode = kernels.paged_decode_attention
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._prefill(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                             ctx.max_seqlen_q, ctx.block_tables, scale)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+
+
+class FlashAttnBackend:
+    """flash-attn's calls, nano-vLLM's; new K/V rows written by our Triton kernel."""
+
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        from nanovllm.kernels import store_kvcache
+        self.store_kvcache = store_kvcache
+        self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+        if ctx.block_tables is not None:  # a cached prefix: keys come from the paged cache
+            k, v = k_cache, v_cache
+        # flash-attn aligns the causal mask bottom-right when seqlen_q < seqlen_k
+        return self._varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
+                            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
+                            softmax_scale=scale, causal=True, block_table=ctx.block_tables)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+        # [num_seqs, 1, num_heads, head_dim]: one query token per sequence
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
+                                 block_table=ctx.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)
 
 
 def _why_not(name: str, device: torch.device, block_size: int) -> str | None:

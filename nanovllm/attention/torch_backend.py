@@ -11,8 +11,6 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels import cpu_decode
 from nanovllm.utils import cdiv
 
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
 
 class TorchBackend:
     """Reference attention in plain PyTorch (see AttentionBackend for the shapes)."""
@@ -139,9 +137,5 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
 
 def _sdpa_gqa(q, k, v, mask, scale, is_causal=False):
     """scaled_dot_product_attention where k/v may have fewer heads than q (GQA/MQA)."""
-    group = q.shape[-3] // k.shape[-3]
-    if group > 1 and not _SDPA_HAS_GQA:
-        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    extra = {"enable_gqa": True} if group > 1 and _SDPA_HAS_GQA else {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                          scale=scale, **extra)
+                                          scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])

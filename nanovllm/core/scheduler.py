@@ -10,27 +10,20 @@ Only the last sequence admitted can be left part-way: at most one, the newest in
 is mid-prefill between steps.
 """
 from collections import deque
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.utils import cdiv
 
-
-class StopStringChecker(Protocol):
-    """Finds stop strings in a sequence's text (nanovllm.detokenizer implements it)."""
-
-    def check(self, seq: Sequence) -> str | None:
-        """Feed seq's new tokens; the text before a stop string they completed, or None."""
-
-    def discard(self, seq_id: int) -> None:
-        """Forget a sequence that has ended."""
+if TYPE_CHECKING:  # for annotations only: core never imports transformers (nor torch)
+    from nanovllm.detokenizer import StopStringChecker
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 stop_strings: StopStringChecker | None = None, policy: str = "mixed"):
+                 stop_strings: "StopStringChecker | None" = None, policy: str = "mixed"):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention.metadata import get_context
-from nanovllm.layers.linear import default_weight_loader, divide
+from nanovllm.layers.linear import default_weight_loader, divide, rank_slice
 from nanovllm.distributed.group import get_tp_group
 
 
@@ -13,17 +13,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
-        self.num_embeddings = num_embeddings
         self.shard_size = divide(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[0] != self.num_embeddings:
-            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
-                             f"({self.num_embeddings}, {param.shape[1]})")
-        default_weight_loader(param, loaded.narrow(0, self.vocab_start, self.shard_size))
+        default_weight_loader(param, rank_slice(loaded, 0, self.shard_size, self.tp_group))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

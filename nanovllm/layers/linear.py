@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.distributed.group import get_tp_group
+from nanovllm.distributed.group import TPGroup, get_tp_group
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -24,6 +24,14 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
         raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
                          f"{tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) -> torch.Tensor:
+    """The rank's shard_size rows (dim 0) or columns (dim 1) of a checkpoint tensor."""
+    if loaded.dim() <= dim or loaded.shape[dim] != shard_size * group.size:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not have the expected "
+                         f"{shard_size * group.size} {('rows', 'columns')[dim]}")
+    return loaded.narrow(dim, group.rank * shard_size, shard_size)
 
 
 class LinearBase(nn.Module):
@@ -44,13 +52,6 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def _rank_slice(self, loaded: torch.Tensor, dim: int, shard_size: int) -> torch.Tensor:
-        """This rank's shard_size rows (dim 0) or columns (dim 1) of a checkpoint tensor."""
-        if loaded.dim() <= dim or loaded.shape[dim] != shard_size * self.tp_size:
-            raise ValueError(f"shape {tuple(loaded.shape)} does not have the expected "
-                             f"{shard_size * self.tp_size} {('rows', 'columns')[dim]}")
-        return loaded.narrow(dim, self.tp_rank * shard_size, shard_size)
-
 
 class ReplicatedLinear(LinearBase):
     """The full weight on every rank (e.g. an MoE router)."""
@@ -61,7 +62,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        default_weight_loader(param, self._rank_slice(loaded, 0, param.shape[0]))
+        default_weight_loader(param, rank_slice(loaded, 0, param.shape[0], self.tp_group))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -76,11 +77,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        default_weight_loader(param.data.narrow(0, offset, size), self._rank_slice(loaded, 0, size))
+        default_weight_loader(param.data.narrow(0, offset, size),
+                              rank_slice(loaded, 0, size, self.tp_group))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q | k | v projections in one matrix; each rank holds its heads of each."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q | k | v projections in one matrix (shard ids "q", "k", "v"); each rank has its heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
@@ -88,14 +90,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)
         self.num_kv_heads = divide(total_num_kv_heads, tp_size)
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias)
+        kv_size = total_num_kv_heads * head_dim
+        super().__init__(hidden_size, [total_num_heads * head_dim, kv_size, kv_size], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
-                        "v": (q_size + kv_size, kv_size)}[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), self._rank_slice(loaded, 0, size))
+        super().weight_loader(param, loaded, "qkv".index(shard_id))
 
 
 class RowParallelLinear(LinearBase):
@@ -104,7 +103,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 2:  # the bias is not sharded: every rank holds all of it
-            loaded = self._rank_slice(loaded, 1, param.shape[1])
+            loaded = rank_slice(loaded, 1, param.shape[1], self.tp_group)
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.linear import default_weight_loader, divide
+from nanovllm.layers.linear import default_weight_loader, divide, rank_slice
 from nanovllm.distributed.group import get_tp_group
 
 # checkpoint projection -> (our parameter, vLLM's shard name)
@@ -65,7 +65,6 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp_group = get_tp_group()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         shard = divide(intermediate_size, self.tp_group.size)
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * shard, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, shard))
@@ -80,20 +79,14 @@ class FusedMoE(nn.Module):
         """This rank's slice of one expert's whole gate ("w1"), up ("w3") or down ("w2") proj."""
         expert, name = shard_id
         shard = self.w2_weight.shape[2]
-        full = (self.hidden_size, self.intermediate_size) if name == "w2" else (
-            self.intermediate_size, self.hidden_size)
-        if tuple(loaded.shape) != full:
-            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {full}")
-        rank_slice = self.tp_group.rank * shard
         if name == "w2":
-            default_weight_loader(param.data[expert], loaded.narrow(1, rank_slice, shard))
+            default_weight_loader(param.data[expert], rank_slice(loaded, 1, shard, self.tp_group))
         else:
             rows = param.data[expert].narrow(0, 0 if name == "w1" else shard, shard)
-            default_weight_loader(rows, loaded.narrow(0, rank_slice, shard))
+            default_weight_loader(rows, rank_slice(loaded, 0, shard, self.tp_group))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [num_tokens, hidden]; router_logits [num_tokens, num_experts]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = self._experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                            topk_ids)
+        out = self._experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return self.tp_group.all_reduce(out)

@@ -60,13 +60,9 @@ def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryE
            str(torch.get_default_device()))
     if (cache := _CACHES.get(key)) is None:
         inv_freq = _INV_FREQ[rope_type](head_dim, rope_parameters)
-        cache = _CACHES[key] = _cos_sin_cache(inv_freq, max_position)
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        cache = _CACHES[key] = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     return RotaryEmbedding(cache)
-
-
-def _cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
-    freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 def _default_inv_freq(head_dim: int, params: dict) -> torch.Tensor:

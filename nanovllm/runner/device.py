@@ -1,8 +1,6 @@
 """Which device and dtype a runner uses, and host -> device copies that do not sync."""
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -94,16 +92,6 @@ def cpu_flags() -> frozenset[str]:
 def physical_memory() -> int:
     """Bytes of RAM: the same on every rank, so tensor-parallel ranks choose alike."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def list_to_device(data: list, device: torch.device) -> torch.Tensor:

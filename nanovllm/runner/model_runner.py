@@ -17,9 +17,8 @@ from nanovllm.distributed.launch import engine_store, join_replica_tp_group, tor
 from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
-from nanovllm.runner.cuda_graph import CUDAGraphRunner, use_cuda_graphs
-from nanovllm.runner.device import (default_dtype, local_device, resolve_device, resolve_dtype,
-                                    to_device)
+from nanovllm.runner.cuda_graph import CUDAGraphRunner, block_table_width, use_cuda_graphs
+from nanovllm.runner.device import local_device, resolve_device, resolve_dtype, to_device
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
@@ -28,7 +27,6 @@ from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils import cdiv
 
 
 class SamplerOutput(NamedTuple):
@@ -103,9 +101,13 @@ class ModelRunner:
         return 4 * sum(p.numel() for p in model.parameters()) + int(kv_bytes)
 
     def _build_model(self) -> torch.nn.Module:
-        hf_config = self.config.hf_config
-        with default_dtype(self.dtype), self.device, tp_group_scope(self.tp_group):
-            model = get_model_class(hf_config)(hf_config)
+        hf_config, previous_dtype = self.config.hf_config, torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # the parameters' dtype, restored even on failure
+        try:
+            with self.device, tp_group_scope(self.tp_group):
+                model = get_model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(previous_dtype)
         if self.config.load_format == "dummy":
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
         else:
@@ -136,7 +138,7 @@ class ModelRunner:
         else:
             budget, hint = int(config.cpu_kvcache_space_gib * 2**30), "raise cpu_kvcache_space_gib"
         block = math.prod(kv_cache_shape(self.attention_layers, 1, self.block_size))
-        most = config.max_num_seqs * cdiv(config.max_model_len + 1, self.block_size)
+        most = config.max_num_seqs * block_table_width(config.max_model_len, self.block_size)
         return min(num_blocks_within(budget, block * self.dtype.itemsize, hint), most)
 
     def _cuda_kv_budget(self) -> int:
@@ -163,7 +165,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         config = self.config
         max_len = min(config.max_model_len, config.max_num_batched_tokens)
-        num_seqs = max(1, min(config.max_num_batched_tokens // max_len, config.max_num_seqs))
+        num_seqs = min(config.max_num_batched_tokens // max_len, config.max_num_seqs)  # >= 1
         seqs = [Sequence([0] * max_len, None, self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = max_len

@@ -55,28 +55,23 @@ def raw_logprobs(logits: torch.Tensor, asked: LogprobRows) -> torch.Tensor:
 
 def collect_logprobs(asked: LogprobRows, logprobs: torch.Tensor, sampled: torch.Tensor,
                      num_seqs: int) -> tuple[list[dict | None], list[list[dict]]]:
-    """Per sequence: the sampled token's entry (or None), and its new prompt entries."""
+    """Per sequence: the sampled token's entry (or None), and its new prompt entries. Row r of
+    logprobs [R, vocab] gives its chosen token's entry and the top ks[r] (one host sync)."""
     targets = to_device(torch.tensor(asked.prompt_targets, dtype=torch.long), sampled.device)
     rows = to_device(torch.tensor(asked.sample_rows, dtype=torch.long), sampled.device)
-    entries = to_dicts(logprobs, torch.cat([targets, sampled[rows]]), asked.ks)
-    rest = iter(entries)  # prompt entries, sequence by sequence, then the sampled ones
+    chosen = torch.cat([targets, sampled[rows]])  # [R]
+    top = logprobs.topk(min(max(asked.ks), logprobs.shape[1]), dim=-1)
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs >= chosen_logprobs).sum(dim=-1)
+    entries = []  # prompt entries, sequence by sequence, then the sampled ones
+    for k, token, logprob, rank, ids, values in zip(
+            asked.ks, chosen.tolist(), chosen_logprobs[:, 0].tolist(), ranks.tolist(),
+            top.indices.tolist(), top.values.tolist()):
+        top_k = {i: Logprob(v, r) for r, (i, v) in enumerate(zip(ids[:k], values[:k]), 1)}
+        entries.append({token: Logprob(logprob, rank)} | top_k)  # the chosen one first
+    rest = iter(entries)
     prompt = [list(islice(rest, count)) for count in asked.prompt_counts]
     sample: list[dict | None] = [None] * num_seqs
     for row, entry in zip(asked.sample_rows, rest):
         sample[row] = entry
     return sample, prompt
-
-
-def to_dicts(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[dict]:
-    """logprobs [R, vocab], chosen [R] -> R dicts, row r with the top ks[r] (a host sync)."""
-    top = logprobs.topk(min(max(ks), logprobs.shape[1]), dim=-1)
-    chosen_logprobs = logprobs.gather(1, chosen[:, None])
-    ranks = (logprobs >= chosen_logprobs).sum(dim=-1)
-    dicts = []
-    for k, token, logprob, rank, ids, values in zip(
-            ks, chosen.tolist(), chosen_logprobs[:, 0].tolist(), ranks.tolist(),
-            top.indices.tolist(), top.values.tolist()):
-        entries = {token: Logprob(logprob, rank)}
-        entries.update((i, Logprob(v, r)) for r, (i, v) in enumerate(zip(ids[:k], values[:k]), 1))
-        dicts.append(entries)
-    return dicts

@@ -58,7 +58,6 @@ class TokenCounts:
     finished) holds output_counts[s] (times each token is in the completion) and in_prompt[s]."""
 
     def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab_size = vocab_size
         self.device = device
         self.output_counts = torch.zeros(0, vocab_size, device=device)
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)

@@ -17,7 +17,7 @@ BF16 = torch.bfloat16
 
 
 def flash_backend():
-    from nanovllm.attention.flash_backend import FlashAttnBackend
+    from nanovllm.attention.backend import FlashAttnBackend
     return FlashAttnBackend()
 
 
