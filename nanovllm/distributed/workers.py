@@ -59,6 +59,7 @@ class WorkerGroup:
         self.tp_group: TPGroup | None = None
         self.broken: str | None = None     # why the ranks may be out of step, once they are
         self._closing = threading.Event()
+        self.watchdog: threading.Thread | None = None
         self._aborted = False
 
     @classmethod
@@ -86,9 +87,10 @@ class WorkerGroup:
         except BaseException:
             group.shutdown()
             raise
-        threading.Thread(target=group._abort_when_a_worker_dies, daemon=True,
-                         args=(group.tp_group.process_group,),
-                         name="nanovllm-tp-watchdog").start()
+        group.watchdog = threading.Thread(target=group._abort_when_a_worker_dies, daemon=True,
+                                          args=(group.tp_group.process_group,),
+                                          name="nanovllm-tp-watchdog")
+        group.watchdog.start()
         return group
 
     def _wait_until_joined(self, store: dist.Store) -> None:
@@ -160,6 +162,8 @@ class WorkerGroup:
         for process in self.processes:
             # Out of step, a worker may wait in a collective rank 0 never joins: no grace.
             stop_process(process, grace_s=JOIN_TIMEOUT_S if self.broken is None else 0.0)
+        if self.watchdog is not None:  # ends with the workers; left running, it would keep
+            self.watchdog.join()       # the group alive into exit(), which then aborts (1 in 4)
         if self.tp_group is not None and not self._aborted:
             self.tp_group.shutdown()
         self.tp_group = None
