@@ -36,6 +36,7 @@ class Config:
     enable_prefix_caching: bool = True
     cpu_kvcache_space_gib: float = 4.0     # KV-cache budget on the CPU
     scheduling_policy: str = "mixed"       # decode first; "prefill_first": nano-vLLM's
+    async_scheduling: bool = False         # schedule step n+1 while step n runs (one rank only)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +57,9 @@ class Config:
                      "> 0", low_open=True, high_open=True)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if check_bool("async_scheduling", self.async_scheduling) and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling works on one rank: pass tensor_parallel_size=1 "
+                             "or async_scheduling=False")
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("load_format", LOAD_FORMATS),

@@ -1,4 +1,4 @@
-"""LLMEngine: `step()` is the heartbeat, schedule() -> run() -> postprocess(). The scheduler
+"""LLMEngine: `step()` is the heartbeat, schedule() -> run() -> advance() + accept(). The scheduler
 decides what runs and what ends; the model runner computes a token per scheduled sequence."""
 import os
 from dataclasses import replace
@@ -44,6 +44,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.eos_token_ids = find_eos_token_ids(config, self.tokenizer)
         self.model_runner = ModelRunner(config)
+        self.in_flight: tuple[list[Sequence], SamplerOutput] | None = None  # async scheduling
         block_manager = BlockManager(self.model_runner.num_kvcache_blocks,
                                      config.kvcache_block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
@@ -106,27 +107,44 @@ class LLMEngine:
             raise RuntimeError("this engine is closed; create a new LLM to generate again")
 
     def step(self) -> StepOutput:
-        """One step of every pending request; an idle engine does nothing."""
+        """One step of every pending request; an idle engine does nothing. With async
+        scheduling a step is queued on the device before the one in flight is read, whose
+        tokens (and finished sequences) this step reports."""
         self._check_open()
         try:
             seqs = self.scheduler.schedule()
-            if not seqs:
-                return StepOutput([], 0, 0)
+            previous, self.in_flight, accepted = self.in_flight, None, []
+            if previous is not None and (not seqs or needs_host_tokens(seqs)):
+                accepted, previous = self._accept(*previous), None
             num_decode = sum(1 for seq in seqs if not seq.is_prefill)
             num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
-            out = self.model_runner.call("run", seqs)
-            record_logprobs(seqs, out)
-            finished = self.scheduler.postprocess(seqs, out.token_ids)
+            if seqs and self.config.async_scheduling:
+                self.in_flight = seqs, self.model_runner.execute_model(seqs)  # queued
+            elif seqs:
+                out = self.model_runner.call("run", seqs)
+            if previous is not None:
+                accepted = self._accept(*previous)  # step n's tokens, while n + 1 runs
+            self.scheduler.advance(seqs)
+            if seqs and not self.config.async_scheduling:
+                accepted = self._accept(seqs, out)
+            if self.scheduler.is_finished():
+                self.in_flight = None  # its tokens would all be dropped
         except BaseException:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
+            self.in_flight = None
             self.scheduler.abort_all()
             raise
-        new_tokens = [NewToken(seq.request_id, seq.index, seq.last_token,
-                               seq.logprobs[-1] if seq.logprobs else None)
-                      for seq in seqs if not seq.is_prefill]  # a prefill chunk short of the end: none
-        return StepOutput([self._completion_output(seq) for seq in finished],
+        return StepOutput([self._completion_output(seq) for seq in accepted if seq.is_finished],
                           num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
-                          new_tokens=new_tokens)
+                          new_tokens=[NewToken(seq.request_id, seq.index, seq.last_token,
+                                               seq.logprobs[-1] if seq.logprobs else None)
+                                      for seq in accepted])
+
+    def _accept(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
+        """Read a launched step's tokens into its sequences; those that took one."""
+        tokens = out.token_ids if isinstance(out.token_ids, list) else out.token_ids.tolist()
+        record_logprobs(seqs, out)
+        return self.scheduler.accept(seqs, tokens)
 
     def _completion_output(self, seq: Sequence) -> CompletionOutput:
         token_ids = seq.completion_token_ids
@@ -161,7 +179,7 @@ class LLMEngine:
         return entries
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished()  # a step in flight then holds only dropped tokens
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
@@ -183,13 +201,18 @@ class LLMEngine:
 
 
 def record_logprobs(seqs: list[Sequence], out: SamplerOutput) -> None:
-    """Keep the step's logprobs on their sequences (before postprocess appends the token)."""
+    """Keep the step's logprobs on their sequences, but those that ended while it ran."""
     for seq, entry in zip(seqs, out.logprobs or ()):
-        if entry is not None:
+        if entry is not None and not seq.is_finished:
             seq.logprobs.append(entry)
     for seq, entries in zip(seqs, out.prompt_logprobs or ()):
-        if entries:
+        if entries and not seq.is_finished:
             seq.prompt_logprobs.extend(entries)
+
+
+def needs_host_tokens(seqs: list[Sequence]) -> bool:
+    """Penalties count a batch's tokens on the host: the step in flight is read first."""
+    return any(seq.sampling_params.has_penalties for seq in seqs)
 
 
 def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:

@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus
 from nanovllm.utils import cdiv
 
 if TYPE_CHECKING:  # for annotations only: core never imports transformers (nor torch)
@@ -69,7 +69,7 @@ class Scheduler:
             # just freed would otherwise go to a prompt the next decode step preempts again.
             admit = self.num_preemptions == preemptions
             seqs += self._schedule_prefill(self.max_num_batched_tokens - len(seqs), admit)
-        if not seqs and not self.is_finished():
+        if not seqs and not self.is_finished() and not self.has_pending():
             raise RuntimeError("scheduler found no runnable sequence although requests are pending")
         return seqs
 
@@ -82,6 +82,8 @@ class Scheduler:
                 break
             if seq.is_prefill or seq.status is not SequenceStatus.RUNNING:
                 continue  # mid-prefill, or preempted meanwhile
+            if seq.last_token == PENDING and self._at_length(seq):
+                continue  # its token still being computed is its last (async scheduling)
             while not self.block_manager.can_append(seq):
                 victim = self.running[-1]  # newer than seq, or seq itself: never in batch
                 self.preempt(victim)
@@ -122,6 +124,11 @@ class Scheduler:
         seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, max(0, budget))
         return seq.num_scheduled_tokens
 
+    def has_pending(self) -> bool:
+        """Whether a sequence waits for a token of a step still on the device (async
+        scheduling): nothing may be runnable until it is read and its blocks are freed."""
+        return any(seq.last_token == PENDING for seq in (*self.running, *self.waiting))
+
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it goes back to the front of the queue."""
         self.running.remove(seq)  # the newest: at the end, found at once
@@ -134,23 +141,41 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record a step's results; return the sequences it finished."""
-        finished = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        self.advance(seqs)
+        return [seq for seq in self.accept(seqs, token_ids) if seq.is_finished]
+
+    def advance(self, seqs: list[Sequence]) -> None:
+        """A launched step's bookkeeping, before its tokens are read: its KV is (being) written,
+        the blocks it filled are hashed, and a sequence that reached its end holds a PENDING
+        token until accept(). With async scheduling the next step is scheduled in between."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue  # ended while this step was being scheduled (async scheduling)
             start = seq.num_cached_tokens
             seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.cache_blocks(seq, start, end)
-            if end < seq.num_tokens:
-                continue  # a prefill chunk that did not reach the end: no token yet
-            seq.is_prefill = False
-            seq.append_token(token_id)
+            if end == seq.num_tokens:  # else a prefill chunk short of the end: no token
+                seq.is_prefill = False
+                seq.append_token(PENDING)
+
+    def accept(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """A step's sampled tokens in place of its PENDING ones; the sequences that took one.
+        One that ended meanwhile (finished or aborted one step earlier) drops its token."""
+        accepted = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            if seq.last_token != PENDING or seq.is_finished:
+                continue
+            seq.token_ids[-1] = seq.last_token = token_id
+            accepted.append(seq)
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
+                if seq.status is SequenceStatus.WAITING:  # preempted while its token was computed
+                    self.waiting.remove(seq)
                 self._finish(seq, reason)
-                finished.append(seq)
-        if finished:
+        if any(seq.is_finished for seq in accepted):
             self.running = deque(s for s in self.running if not s.is_finished)
-        return finished
+        return accepted
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Why seq ends with its newest token, if it does: the one place that decides. A stop token,
@@ -164,12 +189,17 @@ class Scheduler:
             if past_min and text is not None:
                 seq.stop_text = text
                 return FinishReason.STOP
-        max_tokens = params.max_tokens or self.max_model_len  # None: up to max_model_len
-        if num_completion >= max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self._at_length(seq) else None
+
+    def _at_length(self, seq: Sequence) -> bool:
+        max_tokens = seq.sampling_params.max_tokens or self.max_model_len  # None: up to the limit
+        return seq.num_completion_tokens >= max_tokens or seq.num_tokens >= self.max_model_len
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.last_token == PENDING:  # aborted before its token was read
+            seq.token_ids.pop()
+            seq.num_tokens -= 1
+            seq.last_token = seq.token_ids[-1]
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -14,6 +14,9 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import cdiv
 
 
+PENDING = -1  # a sampled token not read yet: the last one, from advance() until accept()
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.core.sequence import Sequence
+from nanovllm.core.sequence import PENDING, Sequence
 from nanovllm.attention import ForwardContext, attention_context, select_backend
 from nanovllm.compilation import compile_scope
 from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
@@ -18,7 +18,8 @@ from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, block_table_width, use_cuda_graphs
-from nanovllm.runner.device import local_device, resolve_device, resolve_dtype, to_device
+from nanovllm.runner.device import (list_to_device, local_device, resolve_device, resolve_dtype,
+                                    to_device)
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
@@ -64,6 +65,7 @@ class ModelRunner:
             layer.backend = self.backend
         # Penalties' per-sequence token counts (rank 0 samples); no memory until used.
         self.token_counts = TokenCounts(config.hf_config.vocab_size, self.device)
+        self.sampled: tuple[torch.Tensor, dict[int, int]] | None = None  # async: the last step's
         self.graph_runner = None
         if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name):
             self.graph_runner = CUDAGraphRunner(
@@ -212,10 +214,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, seqs: list[Sequence]) -> SamplerOutput | None:
         """A step's work, queued on the device: the sampled ids [len(seqs)] on rank 0."""
-        logits = self._forward(*prepare_inputs(seqs, self.block_size, self.device))
+        input_ids, positions, ctx = prepare_inputs(seqs, self.block_size, self.device)
+        if self.config.async_scheduling:
+            self._feed_sampled(seqs, input_ids)
+        logits = self._forward(input_ids, positions, ctx)
         if self.rank != 0:
             return None
-        return self.sample(seqs, logits)
+        out = self.sample(seqs, logits)
+        if self.config.async_scheduling:
+            self.sampled = out.token_ids, {seq.seq_id: i for i, seq in enumerate(seqs)}
+        return out
+
+    def _feed_sampled(self, seqs: list[Sequence], input_ids: torch.Tensor) -> None:
+        """Async scheduling: a row whose input the step before is still computing (PENDING)
+        reads it from that step's sampled ids, on the device (no host round trip)."""
+        pending = [(row, self.sampled[1][seq.seq_id])
+                   for row, seq in enumerate(seqs) if seq.last_token == PENDING]
+        if pending:
+            rows, previous_rows = list_to_device(pending, self.device).unbind(1)
+            input_ids[rows] = self.sampled[0][previous_rows]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor | None:
