@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a CPU without native bf16; the peers get the dtype it chose)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="nanovllm: schedule step n+1 while step n runs")
     p.add_argument("--scheduling-policy", default="mixed", choices=("mixed", "prefill_first"),
                    help="nanovllm's scheduling policy (default mixed)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -320,6 +322,8 @@ def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[s
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if args.async_scheduling:
+        argv.append("--async-scheduling")
     return argv + ["--backend", backend, "--json", json_path]
 
 

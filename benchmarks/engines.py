@@ -35,7 +35,7 @@ def run_nanovllm(args, spec, workload) -> dict:
     llm = LLM(spec.path, load_format=spec.load_format, dtype=spec.dtype, device=args.device,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
               max_model_len=args.max_model_len, cpu_kvcache_space_gib=args.kv_cache_gib,
-              scheduling_policy=args.scheduling_policy)
+              scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling)
     try:
         warmup = SamplingParams(temperature=args.temperature, max_tokens=WARMUP_TOKENS,
                                 ignore_eos=True)

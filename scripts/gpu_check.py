@@ -7,9 +7,9 @@ what is left of the time is reported as skipped):
 
     tests          pytest -m cuda over the test files that carry the mark
     bench graphs   nano-vLLM's benchmark workload (Qwen3-0.6B shape, random weights,
-    bench eager    bfloat16; 256 requests, prompt and output lengths 100-1024) through
-                   bench.py, with CUDA graphs and with enforce_eager; without bench.py,
-                   the same workload through LLM.generate (--throughput below)
+    bench async    bfloat16; 256 requests, prompt and output lengths 100-1024) through
+    bench eager    bench.py, with CUDA graphs, graphs + async scheduling, enforce_eager;
+                   without bench.py, the same workload through LLM.generate (--throughput)
     decode step    benchmarks/decode_step.py: host vs GPU time per decode step
     decode kernel  benchmarks/decode_attention.py: the kernel against its memory floor
     compiled ops   benchmarks/compiled_ops.py: torch.compile'd small ops vs eager
@@ -177,16 +177,19 @@ def progress_counts(output: str) -> dict[str, int]:
             "errors": marks.count("E"), "skipped": marks.count("s") + marks.count("x")}
 
 
-def run_bench(runner: Runner, eager: bool) -> None:
-    result = runner.scratch / f"bench_{'eager' if eager else 'graphs'}.json"
+def run_bench(runner: Runner, mode: str) -> None:
+    """mode: "graphs", "async" (graphs and async scheduling) or "eager"."""
+    result = runner.scratch / f"bench_{mode}.json"
     if (ROOT / "bench.py").exists():
         argv = [sys.executable, "bench.py", "--preset", "qwen3-0.6b", "--dtype", "bfloat16",
                 "--json", str(result)]
+    elif mode == "async":
+        runner.stages.append(Stage("bench async", "not run (no bench.py in this checkout)"))
+        return
     else:
         argv = [sys.executable, str(Path(__file__)), "--throughput", "--json", str(result)]
-    stage, _ = runner.run(f"bench {'eager' if eager else 'graphs'}",
-                          argv + (["--enforce-eager"] if eager else []),
-                          limit_s=70 if eager else 100)
+    flags = {"graphs": [], "async": ["--async-scheduling"], "eager": ["--enforce-eager"]}[mode]
+    stage, _ = runner.run(f"bench {mode}", argv + flags, limit_s=70 if mode == "eager" else 100)
     if stage.status != "ok" or not result.exists():
         return
     r = stage.figures = json.loads(result.read_text())["results"][0]
@@ -227,8 +230,9 @@ def run_percentages(runner: Runner, name: str, argv: list[str], limit_s: float,
 
 def run_stages(runner: Runner, info: dict) -> None:
     run_tests(runner, info["pytest"])
-    run_bench(runner, eager=False)
-    run_bench(runner, eager=True)
+    run_bench(runner, "graphs")
+    run_bench(runner, "async")
+    run_bench(runner, "eager")
     run_decode_step(runner)
     run_percentages(runner, "decode kernel", [sys.executable, "benchmarks/decode_attention.py"],
                     30, r"(?m)(\d+)%\s*$", "% of floor")

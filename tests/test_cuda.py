@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.core import PENDING
 from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
@@ -135,6 +136,30 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
             kinds.add(tuple(sorted({seq.is_prefill for seq in seqs})))
             llm.scheduler.postprocess(seqs, sampled.tolist())
     assert (False,) in kinds and any(True in kind for kind in kinds)  # decode and prefill steps
+
+
+def test_async_scheduling_feeds_a_step_from_the_one_in_flight_without_a_host_sync(checkpoints):
+    """Graphs with async scheduling give the synchronous engine's tokens; a decode step whose
+    inputs are still being sampled by the step in flight launches under sync debug "error"."""
+    path = str(checkpoints["gqa"])
+    prompts, params = graph_workload()
+    common = dict(FEW_GRAPHS, kvcache_block_size=BLOCK, max_num_batched_tokens=96)
+    with LLM(path, **common) as llm:
+        sync = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(path, async_scheduling=True, **common) as llm:
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == sync
+        for prompt in prompts[:4]:
+            llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while not any(seq.last_token == PENDING for seq in llm.scheduler.running):
+            llm.step()
+        seqs = llm.scheduler.schedule()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            llm.model_runner.execute_model(seqs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert any(seq.last_token == PENDING for seq in seqs)
 
 
 def test_enforce_eager_runs_without_graphs_or_compiled_ops(checkpoints):
