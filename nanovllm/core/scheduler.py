@@ -148,13 +148,15 @@ class Scheduler:
         """A launched step's bookkeeping, before its tokens are read: its KV is (being) written,
         the blocks it filled are hashed, and a sequence that reached its end holds a PENDING
         token until accept(). With async scheduling the next step is scheduled in between."""
+        block_size = self.block_manager.block_size
         for seq in seqs:
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # ended while this step was being scheduled (async scheduling)
             start = seq.num_cached_tokens
             seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.cache_blocks(seq, start, end)
+            if end // block_size > start // block_size:  # a block filled up
+                self.block_manager.cache_blocks(seq, start, end)
             if end == seq.num_tokens:  # else a prefill chunk short of the end: no token
                 seq.is_prefill = False
                 seq.append_token(PENDING)
@@ -162,9 +164,9 @@ class Scheduler:
     def accept(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """A step's sampled tokens in place of its PENDING ones; the sequences that took one.
         One that ended meanwhile (finished or aborted one step earlier) drops its token."""
-        accepted = []
+        accepted, any_finished = [], False
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            if seq.last_token != PENDING or seq.is_finished:
+            if seq.last_token != PENDING or seq.status is SequenceStatus.FINISHED:
                 continue
             seq.token_ids[-1] = seq.last_token = token_id
             accepted.append(seq)
@@ -173,7 +175,8 @@ class Scheduler:
                 if seq.status is SequenceStatus.WAITING:  # preempted while its token was computed
                     self.waiting.remove(seq)
                 self._finish(seq, reason)
-        if any(seq.is_finished for seq in accepted):
+                any_finished = True
+        if any_finished:
             self.running = deque(s for s in self.running if not s.is_finished)
         return accepted
 
