@@ -11,10 +11,11 @@ from dataclasses import fields
 from multiprocessing.connection import Connection
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.distributed.launch import (Torchrun, all_gather_objects, engine_store,
-                                         join_world_group)
+from nanovllm.distributed.group import join_tp_group
+from nanovllm.distributed.launch import Torchrun, engine_store
 from nanovllm.distributed.workers import JOIN_TIMEOUT_S, exit_with_parent, stop_process
 
 
@@ -37,14 +38,15 @@ class TorchrunReplicas:
     def __init__(self, launch: Torchrun) -> None:
         self.launch = launch
         self.rank = launch.dp_rank
-        self.world = join_world_group(launch, engine_store(launch))
+        self.world = join_tp_group(dist.PrefixStore("world", engine_store(launch)), launch.rank,
+                                   launch.world_size, torch.device("cpu"))  # gloo
 
     def dispatch(self, shares: list[list[int]], prompts: list, params: list) -> None:
         pass  # every rank has every prompt already
 
     def gather(self, local: list) -> list[list]:
         """Each replica's outputs (those of its first rank)."""
-        return all_gather_objects(self.world, local)[::self.launch.tp_size]
+        return self.world.all_gather_objects(local, torch.device("cpu"))[::self.launch.tp_size]
 
     def close(self) -> None:
         self.world.shutdown()

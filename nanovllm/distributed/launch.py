@@ -5,7 +5,6 @@ tensor-parallel group samples and broadcasts the tokens. Ranks are laid out
     world rank = dp_rank * tensor_parallel_size + tp_rank     (one replica's ranks adjacent)
 """
 import os
-import pickle
 from dataclasses import dataclass
 from itertools import count
 
@@ -59,23 +58,3 @@ def join_replica_tp_group(launch: Torchrun, store: dist.Store, device: torch.dev
     return join_tp_group(dist.PrefixStore(f"tp{launch.dp_rank}", store), launch.tp_rank,
                          launch.tp_size, device)
 
-
-def join_world_group(launch: Torchrun, store: dist.Store) -> TPGroup:
-    """Every rank, over gloo on the host: the data-parallel replicas' outputs meet here."""
-    group = dist.ProcessGroupGloo(dist.PrefixStore("world", store), launch.rank,
-                                  launch.world_size, GROUP_TIMEOUT)
-    return TPGroup(launch.rank, launch.world_size, group)
-
-
-def all_gather_objects(group: TPGroup, obj: object) -> list[object]:
-    """Every rank's `obj`, in rank order, on every rank (pickled; `group` runs on the host)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
-    group.process_group.allgather([sizes], [torch.tensor([data.numel()])]).wait()
-    longest = int(max(sizes).item())
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    shards = [torch.empty(longest, dtype=torch.uint8) for _ in range(group.size)]
-    group.process_group.allgather([shards], [padded]).wait()
-    return [pickle.loads(shard[:int(size.item())].numpy().tobytes())
-            for shard, size in zip(shards, sizes)]
