@@ -1,8 +1,5 @@
 """Data parallelism, offline: `data_parallel_size` engine replicas, each over its own
-`tensor_parallel_size` ranks. generate() splits the prompts across them, balanced by
-tokens, and returns every output in prompt order. Under torchrun a replica is a group of
-ranks; otherwise replica 0 is the caller's engine and the others run in spawned processes.
-"""
+`tensor_parallel_size` ranks; generate() splits the prompts (split_by_tokens) across them."""
 import multiprocessing as mp
 import os
 import signal
