@@ -56,8 +56,8 @@ class TPGroup:
         """Every rank's `obj`, in rank order, on every rank (pickled; `device`: the backend's)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.size)]
-        size = torch.tensor([data.numel()], device=device)
-        self.process_group.allgather([sizes], [size]).wait()
+        length = torch.tensor([data.numel()], device=device)
+        self.process_group.allgather([sizes], [length]).wait()
         padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8, device=device)
         padded[:data.numel()] = data
         shards = [torch.empty_like(padded) for _ in range(self.size)]

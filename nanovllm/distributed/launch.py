@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from nanovllm.distributed.group import GROUP_TIMEOUT, SINGLE_RANK, TPGroup, join_tp_group
 
-_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _engine_ids = count()  # every rank builds its engines in the same order: ids agree
 
 
@@ -30,7 +29,7 @@ class Torchrun:
 def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
     """This process's place in torchrun's world, or None when not launched by it; a world
     that is not tp_size * dp_size ranks is refused (before any weight loads)."""
-    if not all(name in os.environ for name in _ENV):
+    if not all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != tp_size * dp_size:
