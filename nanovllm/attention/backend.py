@@ -1,7 +1,5 @@
 """The attention backend interface, which backend runs where, and the `triton` and `flash_attn`
-backends (imported when built; `torch` has its own module). Each step a layer writes the new K/V
-into their cache slots (`slot_mapping`, -1 = skip), then attends: prefill chunks causally over
-their cached prefix and themselves, decode rows over `context_lens` keys."""
+backends (imported when built; `torch` has its own module)."""
 import importlib
 from typing import Protocol
 

@@ -1,7 +1,7 @@
-"""The `torch` backend: plain PyTorch on any device, the reference the Triton kernels are
-tested against. Prefill: one SDPA per sequence over its chunk and cached prefix. Decode on a
-CPU: the C++ kernel (kernels/cpu_decode.py) where it builds; else the K/V rows in use are
-gathered into a dense copy, attended per group of sequences (CPU: sorted by length)."""
+"""The `torch` backend (shapes: AttentionBackend): plain PyTorch on any device, the reference
+the Triton kernels are tested against. Prefill: one SDPA per sequence over its chunk and cached
+prefix. Decode: on a CPU the C++ kernel (kernels/cpu_decode.py) where it builds; else SDPA over
+a dense copy of the K/V rows in use."""
 from typing import NamedTuple
 
 import torch
@@ -13,8 +13,6 @@ from nanovllm.utils import cdiv
 
 
 class TorchBackend:
-    """Reference attention in plain PyTorch (see AttentionBackend for the shapes)."""
-
     name = "torch"
 
     def __init__(self, native_cpu_decode: bool = True) -> None:

@@ -1,2 +1,2 @@
-"""Tensor parallelism: the process group a model shards over (group.py) and the spawned
-worker ranks rank 0 drives (workers.py)."""
+"""Parallelism: the TP group (group.py), spawned worker ranks (workers.py), torchrun's ranks
+(launch.py) and data-parallel replicas (data_parallel.py)."""

@@ -1,8 +1,5 @@
 """Data parallelism, offline: `data_parallel_size` engine replicas, each over its own
-`tensor_parallel_size` ranks. generate() splits the prompts across them, balanced by
-tokens, and returns every output in prompt order. Under torchrun a replica is a group of
-ranks; otherwise replica 0 is the caller's engine and the others run in spawned processes.
-"""
+`tensor_parallel_size` ranks; generate() splits the prompts (split_by_tokens) across them."""
 import multiprocessing as mp
 import os
 import signal
@@ -11,10 +8,11 @@ from dataclasses import fields
 from multiprocessing.connection import Connection
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.distributed.launch import (Torchrun, all_gather_objects, engine_store,
-                                         join_world_group)
+from nanovllm.distributed.group import join_tp_group
+from nanovllm.distributed.launch import Torchrun, engine_store
 from nanovllm.distributed.workers import JOIN_TIMEOUT_S, exit_with_parent, stop_process
 
 
@@ -37,14 +35,15 @@ class TorchrunReplicas:
     def __init__(self, launch: Torchrun) -> None:
         self.launch = launch
         self.rank = launch.dp_rank
-        self.world = join_world_group(launch, engine_store(launch))
+        self.world = join_tp_group(dist.PrefixStore("world", engine_store(launch)), launch.rank,
+                                   launch.world_size, torch.device("cpu"))  # gloo
 
     def dispatch(self, shares: list[list[int]], prompts: list, params: list) -> None:
         pass  # every rank has every prompt already
 
     def gather(self, local: list) -> list[list]:
         """Each replica's outputs (those of its first rank)."""
-        return all_gather_objects(self.world, local)[::self.launch.tp_size]
+        return self.world.all_gather_objects(local, torch.device("cpu"))[::self.launch.tp_size]
 
     def close(self) -> None:
         self.world.shutdown()

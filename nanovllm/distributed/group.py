@@ -46,21 +46,24 @@ class TPGroup:
         return torch.cat(shards, dim=-1) if shards is not None else None
 
     def broadcast_object(self, obj: object, device: torch.device) -> object:
-        """Rank 0's `obj` on every rank, pickled through the group's backend."""
+        """Rank 0's `obj` on every rank."""
         if self.size == 1:
             return obj
-        data = pickle.dumps(obj) if self.rank == 0 else b""
-        size = torch.tensor([len(data)], device=device)
-        self._broadcast(size)
-        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data
-                  else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-        self._broadcast(buffer)
-        return obj if self.rank == 0 else pickle.loads(buffer.cpu().numpy().tobytes())
+        gathered = self.all_gather_objects(obj if self.rank == 0 else None, device)
+        return obj if self.rank == 0 else gathered[0]
 
-    def _broadcast(self, x: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.process_group.broadcast([x], opts).wait()
+    def all_gather_objects(self, obj: object, device: torch.device) -> list[object]:
+        """Every rank's `obj`, in rank order, on every rank (pickled; `device`: the backend's)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.size)]
+        length = torch.tensor([data.numel()], device=device)
+        self.process_group.allgather([sizes], [length]).wait()
+        padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8, device=device)
+        padded[:data.numel()] = data
+        shards = [torch.empty_like(padded) for _ in range(self.size)]
+        self.process_group.allgather([shards], [padded]).wait()
+        return [pickle.loads(shard[:int(size.item())].cpu().numpy().tobytes())
+                for shard, size in zip(shards, sizes)]
 
     def shutdown(self) -> None:
         """Release the backend (NCCL communicators, sockets); no collective after. Every

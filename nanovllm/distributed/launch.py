@@ -5,7 +5,6 @@ tensor-parallel group samples and broadcasts the tokens. Ranks are laid out
     world rank = dp_rank * tensor_parallel_size + tp_rank     (one replica's ranks adjacent)
 """
 import os
-import pickle
 from dataclasses import dataclass
 from itertools import count
 
@@ -14,7 +13,6 @@ import torch.distributed as dist
 
 from nanovllm.distributed.group import GROUP_TIMEOUT, SINGLE_RANK, TPGroup, join_tp_group
 
-_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _engine_ids = count()  # every rank builds its engines in the same order: ids agree
 
 
@@ -31,7 +29,7 @@ class Torchrun:
 def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
     """This process's place in torchrun's world, or None when not launched by it; a world
     that is not tp_size * dp_size ranks is refused (before any weight loads)."""
-    if not all(name in os.environ for name in _ENV):
+    if not all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != tp_size * dp_size:
@@ -59,23 +57,3 @@ def join_replica_tp_group(launch: Torchrun, store: dist.Store, device: torch.dev
     return join_tp_group(dist.PrefixStore(f"tp{launch.dp_rank}", store), launch.tp_rank,
                          launch.tp_size, device)
 
-
-def join_world_group(launch: Torchrun, store: dist.Store) -> TPGroup:
-    """Every rank, over gloo on the host: the data-parallel replicas' outputs meet here."""
-    group = dist.ProcessGroupGloo(dist.PrefixStore("world", store), launch.rank,
-                                  launch.world_size, GROUP_TIMEOUT)
-    return TPGroup(launch.rank, launch.world_size, group)
-
-
-def all_gather_objects(group: TPGroup, obj: object) -> list[object]:
-    """Every rank's `obj`, in rank order, on every rank (pickled; `group` runs on the host)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
-    group.process_group.allgather([sizes], [torch.tensor([data.numel()])]).wait()
-    longest = int(max(sizes).item())
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    shards = [torch.empty(longest, dtype=torch.uint8) for _ in range(group.size)]
-    group.process_group.allgather([shards], [padded]).wait()
-    return [pickle.loads(shard[:int(size.item())].numpy().tobytes())
-            for shard, size in zip(shards, sizes)]

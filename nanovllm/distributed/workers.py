@@ -6,10 +6,7 @@ ranks 1..N-1, which it spawns here.
     ModelRunner rank 0 --- ("run", seqs, ...) ----pipe---> worker_main: ModelRunner rank r
                <------ all-reduce / gather: gloo on CPU, NCCL on CUDA ------>
 
-Rank 0 opens a TCPStore on a port the OS picks. One pipe per worker carries pickled
-(method, args); workers answer only through the collectives. A watchdog aborts the
-process group the moment a worker dies, so no collective waits on it; closing the pipes
-(end-of-file) is the exit signal.
+Workers answer only through the collectives; closing the pipes (end-of-file) is the exit signal.
 """
 import multiprocessing as mp
 import os

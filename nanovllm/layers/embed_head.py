@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention.metadata import get_context
-from nanovllm.layers.linear import default_weight_loader, divide, rank_slice
+from nanovllm.layers.linear import ColumnParallelLinear, divide
 from nanovllm.distributed.group import get_tp_group
 
 
@@ -18,8 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        default_weight_loader(param, rank_slice(loaded, 0, self.shard_size, self.tp_group))
+    weight_loader = ColumnParallelLinear.weight_loader  # its rows, as a column-parallel W's
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -16,10 +16,6 @@ from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import default_weight_loader, divide, rank_slice
 from nanovllm.distributed.group import get_tp_group
 
-# checkpoint projection -> (our parameter, vLLM's shard name)
-_EXPERT_PROJECTIONS = (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"),
-                       ("down_proj", "w2", "w2"))
-
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +51,9 @@ def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Te
 def expert_params_mapping(num_experts: int) -> list[tuple[str, str, tuple[int, str]]]:
     """(parameter part, checkpoint part, shard id) for the loader, as vLLM's: the
     checkpoint's `mlp.experts.7.up_proj.weight` is shard (7, "w3") of `mlp.experts.w13_weight`."""
+    projections = (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"), ("down_proj", "w2", "w2"))
     return [(f"experts.{param}_", f"experts.{expert}.{projection}.", (expert, shard))
-            for expert in range(num_experts) for projection, param, shard in _EXPERT_PROJECTIONS]
+            for expert in range(num_experts) for projection, param, shard in projections]
 
 
 class FusedMoE(nn.Module):

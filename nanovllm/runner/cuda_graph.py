@@ -1,6 +1,5 @@
-"""Decode CUDA graphs, captured per batch size (1, 2, 4, 8, then every 16 up to
-min(max_num_seqs, 512)), largest first into one memory pool. A batch of n replays the
-smallest size >= n from static buffers whose rows n.. are padding (README, "CUDA"):
+"""Decode CUDA graphs (README, "CUDA"): a batch of n replays the smallest captured size >= n
+from static buffers whose rows n.. are padding:
 
     row             0 .. n-1                       n .. size-1 (padding)
     input_ids       the batch's                    stale (any valid token id)
@@ -121,5 +120,3 @@ class CUDAGraphRunner:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs, self.pool = {}, None
-        self.input_ids = self.positions = self.slot_mapping = None  # and the static buffers
-        self.context_lens = self.block_tables = self.outputs = None
