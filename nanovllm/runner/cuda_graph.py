@@ -120,3 +120,5 @@ class CUDAGraphRunner:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs, self.pool = {}, None
+        self.input_ids = self.positions = self.slot_mapping = None  # and the static buffers
+        self.context_lens = self.block_tables = self.outputs = None
