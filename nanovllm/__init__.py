@@ -8,6 +8,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
-        from nanovllm.llm import LLM
+        from nanovllm.entrypoints.llm import LLM
         return LLM
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -56,7 +56,10 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue one request (its n sequences); returns its id, the `seq_id` of its
         outputs. Bad input raises before anything is queued."""
-        seqs = self._make_sequences(prompt, sampling_params)
+        return self._queue(self._make_sequences(prompt, sampling_params))
+
+    def _queue(self, seqs: list[Sequence]) -> int:
+        """Queue a request's sequences that _make_sequences built; its id."""
         for seq in seqs:
             self.scheduler.add(seq)
         return seqs[0].seq_id

@@ -124,7 +124,7 @@ def replica_main(kwargs: dict, visible_devices: str | None, num_threads: int,
     torch.set_num_threads(num_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and stops us
     threading.Thread(target=exit_with_parent, daemon=True).start()
-    from nanovllm.llm import LLM  # llm.py imports this module
+    from nanovllm import LLM  # entrypoints/llm.py imports this module
     with LLM(**kwargs) as llm:
         while True:
             try:

@@ -1,5 +1,6 @@
-"""The public entry point, `from nanovllm import LLM, SamplingParams`: generate() and chat()
-return vLLM's RequestOutputs, which also answer nano-vLLM's out["text"], out["token_ids"]."""
+"""The offline entry point (vLLM's home for it too), `from nanovllm import LLM, SamplingParams`:
+generate() and chat() return vLLM's RequestOutputs, which also answer nano-vLLM's out["text"],
+out["token_ids"]. Like the server, it never reaches into the scheduler."""
 from numbers import Integral
 from time import perf_counter
 
@@ -66,8 +67,8 @@ class LLM(LLMEngine):
 
     def _generate(self, prompts: list[Prompt], requests: list[list[Sequence]],
                   use_tqdm: bool) -> list[RequestOutput]:
-        for seq in (seq for seqs in requests for seq in seqs):
-            self.scheduler.add(seq)
+        for seqs in requests:
+            self._queue(seqs)
         try:
             outputs = self._run_to_completion({seqs[0].seq_id: len(seqs) for seqs in requests},
                                               use_tqdm)
