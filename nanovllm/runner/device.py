@@ -1,4 +1,6 @@
 """Which device and dtype a runner uses, and host -> device copies that do not sync."""
+import ctypes
+import ctypes.util
 import logging
 import os
 from typing import NamedTuple
@@ -92,6 +94,21 @@ def cpu_flags() -> frozenset[str]:
 def physical_memory() -> int:
     """Bytes of RAM: the same on every rank, so tensor-parallel ranks choose alike."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def keep_freed_host_memory() -> bool:
+    """glibc returns each large tensor's memory to the OS when it is freed (mmap'd above 128
+    KiB-32 MiB), so the next one page-faults its way in again: on a CPU that made elementwise
+    ops over a prefill's activations ~7x slower than their arithmetic. Keep freed memory in
+    the heap for reuse (what tcmalloc or jemalloc, which vLLM's CPU build asks for, do).
+    Process-wide; False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 2**30) and mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def list_to_device(data: list, device: torch.device) -> torch.Tensor:

@@ -18,8 +18,8 @@ from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, block_table_width, use_cuda_graphs
-from nanovllm.runner.device import (list_to_device, local_device, resolve_device, resolve_dtype,
-                                    to_device)
+from nanovllm.runner.device import (keep_freed_host_memory, list_to_device, local_device,
+                                    resolve_device, resolve_dtype, to_device)
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
@@ -49,6 +49,8 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = (resolve_device(config.device, self.rank, config.tensor_parallel_size)
                        if self.launch is None else local_device(config.device, self.launch))
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device,
                                    self._float32_bytes() if self.device.type == "cpu" else 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
