@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention.metadata import get_context
-from nanovllm.layers.linear import ColumnParallelLinear, divide
+from nanovllm.layers.linear import ColumnParallelLinear, divide, linear
 from nanovllm.distributed.group import get_tp_group
 
 
@@ -32,10 +32,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of the rows the step asks for (logits_indices), gathered on rank 0, which samples."""
+    packed: torch.Tensor | None = None  # pack_linear_weights' copy, on a CPU
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         indices = get_context().logits_indices
         if indices is not None:
             hidden_states = hidden_states[indices]
         # [num_seqs, vocab / N] on each rank -> [num_seqs, vocab] on rank 0
-        return self.tp_group.gather_last_dim(F.linear(hidden_states, self.weight))
+        return self.tp_group.gather_last_dim(linear(hidden_states, self.weight, None, self.packed))

@@ -34,7 +34,32 @@ def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) 
     return loaded.narrow(dim, group.rank * shard_size, shard_size)
 
 
+# Up to this many rows (decode batches, short chunks) oneDNN's GEMM on a prepacked weight beat
+# F.linear's MKL one 1.2-3x on the CPUs measured; above it they are even or MKL wins
+# (benchmarks/cpu_linear.py).
+PACKED_MAX_ROWS = 512
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on a CPU through `packed` (pack_linear_weights) for a few rows."""
+    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linear_weights(model: nn.Module, undo: bool = False) -> None:
+    """A CPU runner's choice: every linear (the LM head too) gets a copy of its weight in
+    oneDNN's blocked layout, beside the weight itself (`undo`: drop the copies)."""
+    for module in model.modules():
+        if hasattr(module, "packed"):  # LinearBase and ParallelLMHead
+            module.packed = None if undo else torch.ops.mkldnn._reorder_linear_weight(
+                module.weight.detach(), None)
+
+
 class LinearBase(nn.Module):
+    packed: torch.Tensor | None = None  # pack_linear_weights' copy, on a CPU
+
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
         self.tp_group = get_tp_group()
@@ -50,7 +75,7 @@ class LinearBase(nn.Module):
     weight_loader = staticmethod(default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class ReplicatedLinear(LinearBase):
@@ -108,5 +133,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by rank 0, not once per rank by the all-reduce.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed)
         return self.tp_group.all_reduce(y)

@@ -1,6 +1,7 @@
 """ModelRunner: builds the model and its KV cache on a device, runs each scheduled batch
 (step_inputs.py) and samples. With tensor parallelism one per rank; rank 0 drives each step
 with `call("run", seqs)` and alone samples."""
+import logging
 import math
 import weakref
 from typing import NamedTuple
@@ -16,10 +17,11 @@ from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.distributed.launch import engine_store, join_replica_tp_group, torchrun_launch
 from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.linear import pack_linear_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, block_table_width, use_cuda_graphs
 from nanovllm.runner.device import (keep_freed_host_memory, list_to_device, local_device,
-                                    resolve_device, resolve_dtype, to_device)
+                                    physical_memory, resolve_device, resolve_dtype, to_device)
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
@@ -62,6 +64,8 @@ class ModelRunner:
         with compile_scope(is_cuda and not config.enforce_eager):
             self.model = self._build_model()
             self.sampler = Sampler()
+        if self.device.type == "cpu":
+            self._pack_cpu_linears()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
@@ -117,6 +121,24 @@ class ModelRunner:
         else:
             load_model(model, self.config.model)
         return model.requires_grad_(False)
+
+    def _pack_cpu_linears(self) -> None:
+        """oneDNN-packed copies of the linears' weights (faster GEMMs at decode sizes) when
+        the copies of every rank fit in a quarter of the RAM; else, or where oneDNN cannot
+        pack this dtype, MKL's F.linear alone."""
+        copies = self.config.tensor_parallel_size * sum(
+            p.numel() * p.element_size() for p in self.model.parameters())
+        why = ("oneDNN is unavailable" if not torch.backends.mkldnn.is_available() else
+               f"{copies / 2**30:.1f} GiB of copies would exceed a quarter of the RAM"
+               if copies > physical_memory() // 4 else None)
+        if why is None:
+            try:
+                pack_linear_weights(self.model)
+            except RuntimeError as e:  # e.g. bfloat16 without avx512 / avx_ne_convert
+                why = str(e).splitlines()[0]
+                pack_linear_weights(self.model, undo=True)
+        logging.getLogger("nanovllm").info("CPU linears: %s", "oneDNN-packed weights" if why is None
+                                           else f"F.linear only ({why})")
 
     def allocate_kv_cache(self) -> int:
         """Allocate the KV cache and bind it to the layers; the block count."""
