@@ -34,10 +34,10 @@ def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) 
     return loaded.narrow(dim, group.rank * shard_size, shard_size)
 
 
-# Up to this many rows (decode batches, short chunks) oneDNN's GEMM on a prepacked weight beat
-# F.linear's MKL one 1.2-3x on the CPUs measured; above it they are even or MKL wins
-# (benchmarks/cpu_linear.py).
-PACKED_MAX_ROWS = 512
+# Up to this many rows (decode batches, short chunks) oneDNN's GEMM on a prepacked weight
+# beat F.linear's MKL one 1.1-3.6x on the 2-core AMD EPYC measured; from 512 rows they were
+# even or MKL won (python benchmarks/cpu_linear.py).
+PACKED_MAX_ROWS = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
