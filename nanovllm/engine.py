@@ -121,17 +121,16 @@ class LLMEngine:
                 accepted, previous = self._accept(*previous), None
             num_decode = sum(1 for seq in seqs if not seq.is_prefill)
             num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
-            if seqs and self.config.async_scheduling:
-                self.in_flight = seqs, self.model_runner.execute_model(seqs)  # queued
-            elif seqs:
-                out = self.model_runner.call("run", seqs)
+            if seqs:  # async: only queued on the device, its tokens read by the next step
+                out = (self.model_runner.execute_model(seqs) if self.config.async_scheduling
+                       else self.model_runner.call("run", seqs))
             if previous is not None:
                 accepted = self._accept(*previous)  # step n's tokens, while n + 1 runs
             self.scheduler.advance(seqs)
             if seqs and not self.config.async_scheduling:
                 accepted = self._accept(seqs, out)
-            if self.scheduler.is_finished():
-                self.in_flight = None  # its tokens would all be dropped
+            elif seqs and not self.scheduler.is_finished():  # finished: all its tokens dropped
+                self.in_flight = seqs, out
         except BaseException:
             # A failed step leaves half-updated sequences: drop them all, keep the engine usable.
             self.in_flight = None

@@ -126,12 +126,14 @@ class ModelRunner:
         """oneDNN-packed copies of the linears' weights (faster GEMMs at decode sizes) when
         the copies of every rank fit in a quarter of the RAM; else, or where oneDNN cannot
         pack this dtype, MKL's F.linear alone."""
-        copies = self.config.tensor_parallel_size * sum(
+        copies = self.config.tensor_parallel_size * sum(  # at most: norms are not copied
             p.numel() * p.element_size() for p in self.model.parameters())
-        why = ("oneDNN is unavailable" if not torch.backends.mkldnn.is_available() else
-               f"{copies / 2**30:.1f} GiB of copies would exceed a quarter of the RAM"
-               if copies > physical_memory() // 4 else None)
-        if why is None:
+        why = None
+        if not torch.backends.mkldnn.is_available():
+            why = "oneDNN is unavailable"
+        elif copies > physical_memory() // 4:
+            why = f"{copies / 2**30:.1f} GiB of copies would exceed a quarter of the RAM"
+        else:
             try:
                 pack_linear_weights(self.model)
             except RuntimeError as e:  # e.g. bfloat16 without avx512 / avx_ne_convert
