@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.models.hf_config import check_supported
 from nanovllm.utils import check_bool, check_choice, check_int, check_number
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -66,9 +67,8 @@ class Config:
                               ("scheduling_policy", SCHEDULING_POLICIES)):
             check_choice(name, getattr(self, name), allowed)
         self.hf_config = AutoConfig.from_pretrained(self.model)
-        check_tensor_parallel_divides(self.hf_config, self.tensor_parallel_size)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        _check_sliding_window(self.hf_config, self.max_model_len)
+        check_supported(self.hf_config, self.tensor_parallel_size, self.max_model_len)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
@@ -79,53 +79,3 @@ class Config:
             raise TypeError(f"unknown argument(s) {', '.join(unknown)}; "
                             f"Config accepts: {', '.join(sorted(known - {'model'}))}")
         return cls(model, **kwargs)
-
-
-def checkpoint_dtype(hf_config: PretrainedConfig) -> str:
-    """The checkpoint's dtype name: `dtype` (transformers 5) or `torch_dtype` (4)."""
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if dtype is None:
-        return "float32"
-    return str(dtype).removeprefix("torch.")
-
-
-def rope_parameters(hf_config: PretrainedConfig) -> dict:
-    """RoPE settings from either config style: `rope_parameters` (transformers 5) or
-    `rope_theta` + `rope_scaling` (transformers 4)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if "rope_theta" not in params:
-        params.update(getattr(hf_config, "rope_scaling", None) or {})
-        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
-
-
-# What tensor parallelism shards: attention heads, MLP columns (each expert's, in MoE),
-# vocabulary rows.
-_SHARDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                 "moe_intermediate_size", "vocab_size")
-
-
-def _check_sliding_window(hf_config: PretrainedConfig, max_model_len: int) -> None:
-    """Attention here is full. A sliding window at least max_model_len wide never hides a
-    key, so it is full attention too; a narrower one would change the output."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or not getattr(hf_config, "use_sliding_window", True):
-        return
-    if window < max_model_len:
-        raise ValueError(f"sliding_window ({window}) is smaller than max_model_len "
-                         f"({max_model_len}) and sliding-window attention is not supported; "
-                         f"pass max_model_len={window} or less")
-
-
-def check_tensor_parallel_divides(hf_config: PretrainedConfig, tp_size: int) -> None:
-    """The one divisibility check, before any process is spawned or layer is built:
-    every sharded dimension must split evenly."""
-    dims = {name: getattr(hf_config, name, None) for name in _SHARDED_DIMS}
-    dims = {name: value for name, value in dims.items() if isinstance(value, int)}
-    for name, value in dims.items():
-        if value % tp_size:
-            fitting = [n for n in range(1, 9) if all(v % n == 0 for v in dims.values())]
-            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's "
-                             f"{name} ({value}); this model can use tensor_parallel_size "
-                             f"{', '.join(map(str, fitting))}")

@@ -12,6 +12,7 @@ token the scheduler claims is cached but never computed. That fails the step at 
 from collections.abc import Callable
 
 from nanovllm.core import Scheduler, Sequence
+from invariants import check_scheduler
 
 
 def length_plus_1000(context: tuple[int, ...]) -> int:
@@ -72,7 +73,7 @@ def slot(seq: Sequence, position: int) -> int:
 def step(scheduler: Scheduler, runner: FakeRunner) -> list[Sequence]:
     seqs = scheduler.schedule()
     finished = scheduler.postprocess(seqs, runner.run(seqs))
-    scheduler.check_integrity()
+    check_scheduler(scheduler)
     return finished
 
 

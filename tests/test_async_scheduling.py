@@ -12,6 +12,7 @@ from nanovllm.core import PENDING, BlockManager, Scheduler, Sequence
 from conftest import hf_greedy
 from fake_runner import FakeRunner
 from test_mixed_steps import prompts
+from invariants import check_blocks, check_scheduler
 
 
 class DeviceFeedRunner(FakeRunner):
@@ -65,9 +66,9 @@ def drive(reqs, num_blocks: int, async_scheduling: bool, eos: bool = True):
                 scheduler.accept(*in_flight)
             scheduler.advance(batch)
             in_flight = (batch, tokens) if batch else None
-        scheduler.check_integrity()
+        check_scheduler(scheduler)
     assert scheduler.is_finished()
-    scheduler.block_manager.check_integrity([])
+    check_blocks(scheduler.block_manager, [])
     assert scheduler.block_manager.num_free_blocks == num_blocks
     return [(s.completion_token_ids, s.finish_reason) for s in seqs], scheduler, runner
 
@@ -150,7 +151,7 @@ def test_a_request_aborted_while_its_step_runs_frees_its_blocks(checkpoints):
         assert list(finished) == [keep]
         assert finished[keep].token_ids == hf_greedy(str(checkpoints["gqa"]), (5, 6, 7), 12)
         assert llm.stats().kv_cache_usage == 0
-        llm.scheduler.check_integrity()
+        check_scheduler(llm.scheduler)
 
 
 def test_async_scheduling_needs_one_rank(checkpoints):

@@ -4,6 +4,7 @@ import pytest
 from nanovllm.core import BlockManager, Sequence
 from nanovllm.core import block_manager as bm_module
 from nanovllm.sampling_params import SamplingParams
+from invariants import check_blocks
 
 BS = 4
 
@@ -35,11 +36,11 @@ def test_allocate_gives_enough_distinct_blocks_and_free_returns_them():
     assert not set(a.block_table) & set(b.block_table)
     assert bm.num_free_blocks == 3
     assert all(bm.blocks[i].ref_count == 1 for i in a.block_table + b.block_table)
-    bm.check_integrity([a, b])
+    check_blocks(bm, [a, b])
     bm.deallocate(a)
     bm.deallocate(b)
     assert bm.num_free_blocks == 8 and a.block_table == [] and a.num_cached_tokens == 0
-    bm.check_integrity([])
+    check_blocks(bm, [])
 
 
 def test_can_allocate_counts_free_blocks():
@@ -63,7 +64,7 @@ def test_shared_prefix_shares_physical_blocks_with_ref_count_two():
     assert [bm.blocks[i].ref_count for i in b.block_table[:2]] == [2, 2]
     assert b.num_cached_tokens == 8
     assert bm.num_cache_hit_blocks == 2
-    bm.check_integrity([a, b])
+    check_blocks(bm, [a, b])
 
 
 def test_prefix_must_match_from_the_first_block():
@@ -122,7 +123,7 @@ def test_freed_cached_block_is_revived_with_its_hash():
     assert bm.blocks[first].hash == h and bm.blocks[first].ref_count == 1
     assert first not in bm.free_block_ids
     assert bm.hash_to_block[h] == first
-    bm.check_integrity([b])
+    check_blocks(bm, [b])
 
 
 def test_reusing_a_freed_block_evicts_its_cache_entry():
@@ -135,7 +136,7 @@ def test_reusing_a_freed_block_evicts_its_cache_entry():
     admit(bm, c)
     assert bm.hash_to_block == {}
     assert bm.get_cached_blocks(seq([1, 2, 3, 4, 5])) == []
-    bm.check_integrity([c])
+    check_blocks(bm, [c])
 
 
 def test_free_list_hands_out_longest_freed_blocks_first():
@@ -176,7 +177,7 @@ def test_decode_appends_a_block_exactly_when_a_token_starts_one():
     s.append_token(6)  # position 5 fits in block 2
     bm.may_append(s)
     assert len(s.block_table) == 2 and bm.num_free_blocks == 1
-    bm.check_integrity([s])
+    check_blocks(bm, [s])
 
 
 def test_can_append_is_false_without_a_free_block():
@@ -187,13 +188,13 @@ def test_can_append_is_false_without_a_free_block():
     assert not bm.can_append(s)
 
 
-def test_check_integrity_catches_a_wrong_ref_count():
+def test_check_blocks_catches_a_wrong_ref_count():
     bm = BlockManager(num_blocks=4, block_size=BS)
     s = seq([1, 2])
     admit(bm, s)
     bm.blocks[s.block_table[0]].ref_count = 2
     with pytest.raises(AssertionError):
-        bm.check_integrity([s])
+        check_blocks(bm, [s])
 
 
 def test_prefix_caching_can_be_disabled():

@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from nanovllm.config import Config, checkpoint_dtype, rope_parameters
+from nanovllm.config import Config
+from nanovllm.models.hf_config import checkpoint_dtype, rope_parameters
 from nanovllm.sampling_params import SamplingParams
 
 

@@ -8,6 +8,7 @@ from nanovllm import LLM, SamplingParams
 
 from arrivals import mixed_steps, run_with_arrivals
 from conftest import hf_greedy
+from invariants import check_scheduler
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -50,7 +51,7 @@ def test_mixed_steps_under_forced_preemption_match_transformers(checkpoints):
              num_kvcache_blocks=9, max_num_batched_tokens=32) as llm:
         tokens, steps = run_with_arrivals(llm, early, late, GREEDY)
         assert llm.scheduler.num_preemptions > 0
-        llm.scheduler.check_integrity()
+        check_scheduler(llm.scheduler)
     assert tokens == expected(checkpoints["gqa"], early + late)
     assert mixed_steps(steps) >= 1
 

@@ -293,7 +293,7 @@ def llama3_config(**overrides):
 def test_llama3_rope_equals_transformers_past_the_original_context():
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from nanovllm.config import rope_parameters
+    from nanovllm.models.hf_config import rope_parameters
     from nanovllm.layers.rotary_embedding import get_rope
 
     config = llama3_config()
@@ -325,7 +325,7 @@ def test_layers_share_one_cos_sin_cache_per_set_of_rope_parameters():
 def test_both_config_styles_give_the_same_llama3_rope_parameters():
     from transformers import LlamaConfig
 
-    from nanovllm.config import rope_parameters
+    from nanovllm.models.hf_config import rope_parameters
 
     v4 = LlamaConfig(rope_theta=3000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=512)
     v5 = LlamaConfig(rope_parameters=dict(LLAMA3_ROPE, rope_theta=3000.0),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.distributed.data_parallel import split_by_tokens
+from nanovllm.entrypoints.data_parallel import split_by_tokens
 
 from test_qwen3_parity import expected, make_prompts
 

@@ -8,6 +8,7 @@ from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
 
 from conftest import hf_greedy
 from fake_runner import FakeRunner, run_until_done, step
+from invariants import check_scheduler
 
 BS = 4
 
@@ -68,7 +69,7 @@ def test_aborting_a_request_drops_all_its_sequences_and_frees_their_blocks():
     assert sch.abort(seqs[0].seq_id) and not sch.abort(seqs[0].seq_id)
     assert all(seq.finish_reason is FinishReason.ABORT and not seq.block_table for seq in seqs)
     assert list(sch.running) == [other]
-    sch.check_integrity()
+    check_scheduler(sch)
 
 
 # -- through the engine ----------------------------------------------------------------

@@ -11,6 +11,7 @@ from nanovllm import LLM, SamplingParams
 from conftest import hf_greedy
 from graph_cases import graph_workload
 from test_qwen3_parity import GREEDY as PARITY_GREEDY, make_prompts
+from invariants import check_scheduler
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -104,7 +105,7 @@ def test_abort_request_frees_its_blocks_and_the_others_finish(llm, checkpoints):
     llm.step()  # both prefilled: both hold blocks
     assert llm.abort_request(drop) and not llm.abort_request(drop)
     assert all(seq.seq_id != drop for seq in llm.scheduler.running)
-    llm.scheduler.check_integrity()
+    check_scheduler(llm.scheduler)
     finished = {}
     while not llm.is_finished():
         finished.update({o.seq_id: o.token_ids for o in llm.step().finished})

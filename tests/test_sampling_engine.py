@@ -7,6 +7,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from nanovllm import LLM, SamplingParams
 
 from conftest import assert_clear_argmax, hf_greedy, hf_model
+from invariants import check_scheduler
 
 BLOCK = 16
 NEW_TOKENS = 24
@@ -138,7 +139,7 @@ def run_alone_step_by_step(llm: LLM, prompt: list[int], params: SamplingParams):
         out = llm.step()
         if out.finished:
             bm = llm.scheduler.block_manager
-            llm.scheduler.check_integrity()
+            check_scheduler(llm.scheduler)
             return out.finished[0], bm.num_free_blocks == bm.num_blocks, list(llm.scheduler.running)
 
 

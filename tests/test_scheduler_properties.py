@@ -10,6 +10,7 @@ from nanovllm.core import BlockManager, Scheduler, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 from fake_runner import FakeRunner
+from invariants import check_scheduler
 
 EOS = 0
 MAX_STEPS = 5000
@@ -80,7 +81,7 @@ def check_decode_first(decoding: list[Sequence], seqs: list[Sequence], w: dict) 
 
 def check_step(scheduler: Scheduler, batch_seqs: list[Sequence], num_tokens: int, w: dict,
                all_seqs: list[Sequence]) -> None:
-    scheduler.check_integrity()  # free xor referenced, ref counts, coverage, hash entries
+    check_scheduler(scheduler)  # free xor referenced, ref counts, coverage, hash entries
     assert batch_seqs, "an empty batch while work was pending"
     assert len(batch_seqs) <= w["max_num_seqs"]
     assert num_tokens <= w["budget"]

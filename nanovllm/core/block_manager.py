@@ -5,7 +5,6 @@ ids and predecessor, so a collision costs a miss, never wrong KV. A freed block 
 and content until the free list hands it out again, so it can be revived."""
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -128,20 +127,3 @@ class BlockManager:
         block.hash, block.token_ids, block.parent_id = None, (), None
         block.ref_count = 1
         return block_id
-
-    def check_integrity(self, seqs: Iterable[Sequence]) -> None:
-        """Assert the invariants, given every sequence that holds blocks."""
-        refs = [0] * self.num_blocks
-        for seq in seqs:
-            # Every token but a just-sampled last one has (or is getting) a slot.
-            assert len(seq.block_table) * self.block_size >= len(seq) - 1, seq.seq_id
-            for i, block_id in enumerate(seq.block_table):
-                refs[block_id] += 1
-                block = self.blocks[block_id]
-                assert block.hash is None or block.token_ids == tuple(seq.block(i)), block_id
-        for block in self.blocks:
-            assert (block.block_id in self.free_block_ids) != (block.ref_count > 0), block
-            assert block.ref_count == refs[block.block_id], (block, refs[block.block_id])
-        for h, block_id in self.hash_to_block.items():
-            block = self.blocks[block_id]
-            assert block.hash == h and len(block.token_ids) == self.block_size, block

@@ -224,6 +224,3 @@ class Scheduler:
             self._finish(seq, FinishReason.ABORT)
         self.waiting.clear()
         self.running.clear()
-
-    def check_integrity(self) -> None:
-        self.block_manager.check_integrity(self.running)

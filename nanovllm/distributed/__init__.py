@@ -1,2 +1,2 @@
-"""Parallelism: the TP group (group.py), spawned worker ranks (workers.py), torchrun's ranks
-(launch.py) and data-parallel replicas (data_parallel.py)."""
+"""Parallelism: the TP group (group.py), spawned worker ranks (workers.py) and torchrun's ranks
+(launch.py). Data-parallel replicas are whole LLMs: entrypoints/data_parallel.py."""

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.core import Sequence
-from nanovllm.distributed.data_parallel import split_by_tokens, start_replicas
+from nanovllm.entrypoints.data_parallel import split_by_tokens, start_replicas
 from nanovllm.engine import LLMEngine, Prompt
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams

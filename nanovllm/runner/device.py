@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from nanovllm.config import checkpoint_dtype
+from nanovllm.models.hf_config import checkpoint_dtype
 from nanovllm.distributed.launch import Torchrun
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
