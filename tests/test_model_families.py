@@ -154,7 +154,7 @@ def load_experts(experts, gate_up: torch.Tensor, down: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_loads_its_slice_of_every_experts_intermediate_dimension(rank):
-    from nanovllm.layers.moe import FusedMoE
+    from nanovllm.models.moe import FusedMoE
     from nanovllm.distributed.group import TPGroup, tp_group_scope
 
     with tp_group_scope(TPGroup(rank=rank, size=2)):

@@ -15,7 +15,7 @@ by that expert's weight, for both projections:
     out[t]     = sum over the token's top_k slots of down  [num_tokens, hidden]
 
 The sort is torch with shapes fixed by num_tokens (no host sync), so a decode step can
-be captured in a CUDA graph. layers/moe.py's fused_moe_torch is the reference.
+be captured in a CUDA graph. models/moe.py's fused_moe_torch is the reference.
 """
 import torch
 import triton

@@ -1,13 +1,13 @@
 """Qwen3-MoE, as Hugging Face's Qwen3MoeForCausalLM: Qwen3's decoder whose MLP is, in
 the sparse layers, a router over num_experts SwiGLU experts of moe_intermediate_size
-(layers/moe.py). Layer i is sparse unless i is in mlp_only_layers or (i + 1) is not a
+(models/moe.py). Layer i is sparse unless i is in mlp_only_layers or (i + 1) is not a
 multiple of decoder_sparse_step; the other layers keep a dense MLP of intermediate_size."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.layers.moe import FusedMoE, expert_params_mapping
+from nanovllm.models.moe import FusedMoE, expert_params_mapping
 from nanovllm.models.decoder import DecoderFlags
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 

@@ -1,5 +1,5 @@
 """fused_moe (the Triton grouped GEMM) against fused_moe_torch, the reference in
-layers/moe.py: random routing with experts that get no token, one token, many; both
+models/moe.py: random routing with experts that get no token, one token, many; both
 block sizes; the sort it does before the GEMMs; launcher checks.
 
 The 16-bit case is float16: Triton's interpreter truncates float32 -> bfloat16 where a
@@ -17,7 +17,7 @@ DTYPES = [torch.float32, torch.float16,
 
 def moe_case(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
              dtype: torch.dtype, seed: int = 0) -> dict:
-    from nanovllm.layers.moe import select_experts
+    from nanovllm.models.moe import select_experts
 
     gen = torch.Generator().manual_seed(seed)
     logits = 2 * torch.randn(num_tokens, num_experts, generator=gen)
@@ -40,7 +40,7 @@ def moe_case(num_tokens: int, hidden: int, intermediate: int, num_experts: int, 
 def test_fused_moe_matches_the_torch_reference(dtype, num_tokens, hidden, intermediate,
                                                num_experts, top_k, block_m):
     from nanovllm.kernels import fused_moe
-    from nanovllm.layers.moe import fused_moe_torch
+    from nanovllm.models.moe import fused_moe_torch
 
     case = moe_case(num_tokens, hidden, intermediate, num_experts, top_k, dtype)
     out = fused_moe(**case, block_m=block_m)
