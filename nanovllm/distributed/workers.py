@@ -14,7 +14,6 @@ import pickle
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from time import monotonic
 
@@ -28,23 +27,14 @@ HOST = "127.0.0.1"                      # every rank runs on this machine
 JOIN_TIMEOUT_S = 5.0                    # shutdown waits this long for a worker, then terminates it
 
 
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where a spawned rank finds its engine's process group."""
-    port: int
-    world_size: int
+JOINED = "worker/{}/joined"              # a spawned rank's key in rank 0's store once it is in
 
 
-def connect_worker(rendezvous: Rendezvous, rank: int, device: torch.device) -> TPGroup:
-    """A spawned rank joins the group rank 0 opened (blocks until every rank is in)."""
-    store = dist.TCPStore(HOST, rendezvous.port, rendezvous.world_size, is_master=False,
-                          timeout=GROUP_TIMEOUT)
-    store.set(_joined_key(rank), "1")
-    return join_tp_group(store, rank, rendezvous.world_size, device)
-
-
-def _joined_key(rank: int) -> str:
-    return f"worker/{rank}/joined"
+def connect_worker(port: int, rank: int, world_size: int, device: torch.device) -> TPGroup:
+    """A spawned rank joins the group rank 0 opened on `port` (blocks until every rank is in)."""
+    store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=GROUP_TIMEOUT)
+    store.set(JOINED.format(rank), "1")
+    return join_tp_group(store, rank, world_size, device)
 
 
 class WorkerGroup:
@@ -61,19 +51,18 @@ class WorkerGroup:
 
     @classmethod
     def spawn(cls, config: Config, device: torch.device, runner_cls: type) -> "WorkerGroup":
-        """Start ranks 1..N-1, each building `runner_cls(config, rank, rendezvous)`, and
+        """Start ranks 1..N-1, each building `runner_cls(config, rank, port)`, and
         form the process group with them; rank 0's TPGroup is `.tp_group`."""
         world_size = config.tensor_parallel_size
         group = cls()
         try:
             store = dist.TCPStore(HOST, 0, world_size, is_master=True, timeout=GROUP_TIMEOUT,
                                   wait_for_workers=False)
-            rendezvous = Rendezvous(store.port, world_size)
             ctx = mp.get_context("spawn")
             for rank in range(1, world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 process = ctx.Process(target=worker_main, name=f"nanovllm-tp-rank{rank}",
-                                      args=(runner_cls, config, rank, rendezvous, reader),
+                                      args=(runner_cls, config, rank, store.port, reader),
                                       daemon=True)
                 process.start()
                 reader.close()  # left open here, writing to a dead worker's pipe would not fail
@@ -93,7 +82,7 @@ class WorkerGroup:
     def _wait_until_joined(self, store: dist.Store) -> None:
         """Until every worker reached the store; a worker that dies on the way (a failed
         import, a bad device) is reported at once instead of after the store's timeout."""
-        keys = [_joined_key(rank) for rank in range(1, len(self.processes) + 1)]
+        keys = [JOINED.format(rank) for rank in range(1, len(self.processes) + 1)]
         deadline = monotonic() + GROUP_TIMEOUT.total_seconds()
         while not store.check(keys):
             self.check_alive()
@@ -176,14 +165,14 @@ def stop_process(process: mp.process.BaseProcess, grace_s: float) -> None:
         process.join()
 
 
-def worker_main(runner_cls: type, config: Config, rank: int, rendezvous: Rendezvous,
+def worker_main(runner_cls: type, config: Config, rank: int, port: int,
                 pipe: Connection) -> None:
     """A spawned rank: build its shard of the model, then run each call rank 0 sends
     until rank 0 closes the pipe. An exception ends the process (rank 0 notices)."""
     # Ctrl-C reaches the whole process group: rank 0 alone handles it (and stops us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, daemon=True).start()
-    runner = runner_cls(config, rank, rendezvous)
+    runner = runner_cls(config, rank, port)
     try:
         while True:
             try:

@@ -14,31 +14,21 @@ from nanovllm.distributed.launch import Torchrun
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
-    """The device of `rank`: the CPU, or with tensor parallelism GPU number `rank`."""
+def resolve_device(name: str, launch: Torchrun | None, rank: int, world_size: int) -> torch.device:
+    """A rank's device: the CPU, or a GPU: number `rank` of this machine's (torchrun's
+    LOCAL_RANK under torchrun), the current one for a single rank."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but CUDA is unavailable; use 'cpu' or 'auto'")
-    if world_size == 1:
-        return torch.device("cuda")
-    if world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={world_size} needs one GPU per rank but "
-                         f"{torch.cuda.device_count()} are visible; lower it or use device='cpu'")
-    return torch.device("cuda", rank)
-
-
-def local_device(name: str, launch: Torchrun) -> torch.device:
-    """A torchrun rank's device: the CPU, or its node's GPU number LOCAL_RANK."""
-    device = resolve_device(name)
-    if device.type == "cpu":
-        return device
-    if launch.local_rank >= torch.cuda.device_count():
-        raise ValueError(f"LOCAL_RANK {launch.local_rank} has no GPU: {torch.cuda.device_count()} "
-                         "are visible; start at most that many ranks per node")
-    return torch.device("cuda", launch.local_rank)
+    index, need = (rank, world_size) if launch is None else (launch.local_rank, launch.local_rank + 1)
+    if need > torch.cuda.device_count():
+        raise ValueError(f"{need} GPUs are needed here (one per rank: tensor_parallel_size, or "
+                         f"torchrun's ranks per node) but {torch.cuda.device_count()} are visible; "
+                         "start fewer ranks or use device='cpu'")
+    return torch.device("cuda") if launch is None and world_size == 1 else torch.device("cuda", index)
 
 
 def resolve_dtype(name: str, hf_config, device: torch.device | None = None,

@@ -15,12 +15,12 @@ from nanovllm.attention import ForwardContext, attention_context, select_backend
 from nanovllm.compilation import compile_scope
 from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.distributed.launch import engine_store, join_replica_tp_group, torchrun_launch
-from nanovllm.distributed.workers import Rendezvous, WorkerGroup, connect_worker
+from nanovllm.distributed.workers import WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.linear import pack_linear_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, block_table_width, use_cuda_graphs
-from nanovllm.runner.device import (keep_freed_host_memory, list_to_device, local_device,
+from nanovllm.runner.device import (keep_freed_host_memory, list_to_device,
                                     physical_memory, resolve_device, resolve_dtype, to_device)
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
@@ -42,22 +42,22 @@ class ModelRunner:
     """Built in order: the model (CUDA: compiled small ops), on CUDA the memory measurements
     (graph pool, warmup), the KV cache, then the decode graphs, which hold its address."""
 
-    def __init__(self, config: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
-        """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main (`rendezvous`)."""
+    def __init__(self, config: Config, rank: int = 0, port: int = 0):
+        """Rank 0 is built by the engine; ranks > 0 by distributed.worker_main (rank 0's `port`)."""
         self.config = config
         # Under torchrun every rank runs the engine; its place comes from torchrun's variables.
         self.launch = torchrun_launch(config.tensor_parallel_size, config.data_parallel_size)
         self.rank = rank if self.launch is None else self.launch.tp_rank
         self.block_size = config.kvcache_block_size
-        self.device = (resolve_device(config.device, self.rank, config.tensor_parallel_size)
-                       if self.launch is None else local_device(config.device, self.launch))
+        self.device = resolve_device(config.device, self.launch, self.rank,
+                                     config.tensor_parallel_size)
         if self.device.type == "cpu":
             keep_freed_host_memory()
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device,
                                    self._float32_bytes() if self.device.type == "cpu" else 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.workers: WorkerGroup | None = None  # rank 0's handle on ranks 1..N-1
-        self.tp_group = self._init_tensor_parallel(rendezvous)
+        self.tp_group = self._init_tensor_parallel(port)
         is_cuda = self.device.type == "cuda"
         self.untracked_at_start = untracked_cuda_memory(self.device) if is_cuda else 0
         # CUDA: small ops compiled, decode replayed from graphs (not under enforce_eager)
@@ -83,7 +83,7 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.capture()  # after the KV cache: the graphs hold its address
 
-    def _init_tensor_parallel(self, rendezvous: Rendezvous | None) -> TPGroup:
+    def _init_tensor_parallel(self, port: int) -> TPGroup:
         """Rank 0 spawns ranks 1..N-1 (stopped at close, collection or exit); they join it.
         Under torchrun every rank joins its replica's group."""
         if self.config.tensor_parallel_size == 1 and self.launch is None:
@@ -96,7 +96,7 @@ class ModelRunner:
         if self.launch is not None:
             return join_replica_tp_group(self.launch, engine_store(self.launch), self.device)
         if self.rank > 0:
-            return connect_worker(rendezvous, self.rank, self.device)
+            return connect_worker(port, self.rank, self.config.tensor_parallel_size, self.device)
         self.workers = WorkerGroup.spawn(self.config, self.device, type(self))
         self._stop_workers = weakref.finalize(self, self.workers.shutdown)
         return self.workers.tp_group
