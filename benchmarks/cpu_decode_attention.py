@@ -15,7 +15,7 @@ import time
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.attention.backend import TorchBackend
 
 SHAPES = {"cpu-small f32": (4, 2, 64, torch.float32), "0.6b f32": (16, 8, 128, torch.float32),
           "0.6b bf16": (16, 8, 128, torch.bfloat16)}

@@ -11,7 +11,8 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.torch_backend import DECODE_GROUP_SIZE, TorchBackend
+from nanovllm.attention.backend import TorchBackend
+from nanovllm.kernels.torch_attention import DECODE_GROUP_SIZE
 from nanovllm.kernels import cpu_decode
 
 from conftest import hf_greedy

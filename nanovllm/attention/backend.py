@@ -1,12 +1,14 @@
-"""The attention backend interface, which backend runs where, and the `triton` and `flash_attn`
-backends (imported when built; `torch` has its own module)."""
+"""The attention backend interface, which backend runs where, and the backends: each an adapter
+from the step's metadata to a kernel module (torch: kernels/torch_attention.py and, for a CPU's
+decode, kernels/cpu_decode.py; triton: our Triton kernels; flash_attn: flash-attn's, imported
+when built)."""
 import importlib
 from typing import Protocol
 
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.kernels import cpu_decode, torch_attention
 
 
 class AttentionBackend(Protocol):
@@ -37,6 +39,34 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
     if reason is not None:
         raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
     return {"torch": TorchBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}[name]()
+
+
+class TorchBackend:
+    """Plain PyTorch on any device; a CPU decodes in the C++ kernel where it builds."""
+
+    name = "torch"
+    store_kvcache = staticmethod(torch_attention.store_kvcache)
+
+    def __init__(self, native_cpu_decode: bool = True) -> None:
+        """native_cpu_decode=False: the gathering decode on the CPU too (the reference)."""
+        self.native_cpu_decode = native_cpu_decode
+        self._decode_step: tuple[AttentionMetadata, list] | None = None  # (its ctx, its groups)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+        return torch_attention.prefill_attention(q, k, v, k_cache, v_cache, ctx.seqlens_q,
+                                                 ctx.seqlens_k, ctx.block_tables, scale)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native_cpu_decode and q.device.type == "cpu" and k_cache.dtype in cpu_decode.DTYPES:
+            if (library := cpu_decode.load()) is not None:
+                return cpu_decode.paged_decode(library, q, k_cache, v_cache, ctx.block_tables,
+                                               ctx.context_lens, scale)
+        if self._decode_step is None or self._decode_step[0] is not ctx:  # a step's first layer
+            self._decode_step = ctx, torch_attention.decode_groups(
+                ctx.block_tables, ctx.context_lens, k_cache.shape[1])
+        return torch_attention.decode_attention(q, k_cache, v_cache, self._decode_step[1], scale)
 
 
 class TritonBackend:

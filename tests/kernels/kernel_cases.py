@@ -1,6 +1,6 @@
 """Shared by the kernel tests: where the kernels run, random paged-cache cases, the
 error measure and attention written out in float64. The torch backend
-(nanovllm/attention/torch_backend.py), itself tested against attention written out by
+(nanovllm/kernels/torch_attention.py), itself tested against attention written out by
 tests/test_torch_attention.py, is the Triton kernels' reference.
 
 The tests here run on CUDA when it is present, and on the CPU in Triton's interpreter

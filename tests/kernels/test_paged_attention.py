@@ -7,7 +7,7 @@ import torch
 from kernel_cases import (DEVICE, NAN, TOLERANCE, cu_seqlens, paged_cache, randn, rel_error,
                           requires_kernels)
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.attention.backend import TorchBackend
 
 pytestmark = [pytest.mark.cuda, requires_kernels]
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
