@@ -25,9 +25,7 @@ from nanovllm.distributed.group import GROUP_TIMEOUT, TPGroup, join_tp_group
 
 HOST = "127.0.0.1"                      # every rank runs on this machine
 JOIN_TIMEOUT_S = 5.0                    # shutdown waits this long for a worker, then terminates it
-
-
-JOINED = "worker/{}/joined"              # a spawned rank's key in rank 0's store once it is in
+JOINED = "worker/{}/joined"             # a spawned rank's key in rank 0's store once it is in
 
 
 def connect_worker(port: int, rank: int, world_size: int, device: torch.device) -> TPGroup:
