@@ -7,10 +7,7 @@ from nanovllm.compilation import HotOp
 @HotOp
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as Hugging Face's Qwen3RMSNorm does."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight * torch.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 @HotOp
