@@ -13,11 +13,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus
+from nanovllm.core.sequence import FINISHED, PENDING, RUNNING, WAITING, FinishReason, Sequence
 from nanovllm.utils import cdiv
-
-# Globals: reading an Enum member costs ~100 ns on CPython 3.11, per row of each step's loops.
-RUNNING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.FINISHED
 
 if TYPE_CHECKING:  # for annotations only: core never imports transformers (nor torch)
     from nanovllm.detokenizer import StopStringChecker
@@ -116,7 +113,7 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq, cached_blocks)
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RUNNING
             self.running.append(seq)
             budget -= self._schedule_chunk(seq, budget)
             batch.append(seq)
@@ -137,7 +134,7 @@ class Scheduler:
         self.running.remove(seq)  # the newest: at the end, found at once
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = WAITING
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
@@ -175,7 +172,7 @@ class Scheduler:
             accepted.append(seq)
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
-                if seq.status is SequenceStatus.WAITING:  # preempted while its token was computed
+                if seq.status is WAITING:  # preempted while its token was computed
                     self.waiting.remove(seq)
                 self._finish(seq, reason)
                 any_finished = True
@@ -198,8 +195,7 @@ class Scheduler:
 
     def _at_length(self, seq: Sequence) -> bool:
         max_tokens = seq.sampling_params.max_tokens or self.max_model_len  # None: up to the limit
-        return (seq.num_tokens - seq.num_prompt_tokens >= max_tokens  # (no property: per row)
-                or seq.num_tokens >= self.max_model_len)
+        return seq.num_tokens >= min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.last_token == PENDING:  # aborted before its token was read
@@ -207,7 +203,7 @@ class Scheduler:
             seq.num_tokens -= 1
             seq.last_token = seq.token_ids[-1]
         seq.num_scheduled_tokens = 0
-        seq.status = SequenceStatus.FINISHED
+        seq.status = FINISHED
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
         if seq.sampling_params.stop:
@@ -217,7 +213,7 @@ class Scheduler:
         """Drop a pending request (its n sequences), freeing their blocks; False if not pending."""
         seqs = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
         for seq in seqs:  # O(n), but aborting is rare and off the step path
-            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            (self.waiting if seq.status is WAITING else self.running).remove(seq)
             self._finish(seq, FinishReason.ABORT)
         return bool(seqs)
 

@@ -23,7 +23,7 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-_FINISHED = SequenceStatus.FINISHED  # a global is read 7x faster than an Enum member (3.11)
+WAITING, RUNNING, FINISHED = SequenceStatus  # in order; as globals: read 7x faster than members
 
 
 class FinishReason(Enum):
@@ -74,7 +74,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is _FINISHED
+        return self.status is FINISHED
 
     @property
     def num_completion_tokens(self) -> int:

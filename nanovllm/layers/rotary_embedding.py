@@ -33,9 +33,8 @@ class RotaryEmbedding(nn.Module):
 @HotOp
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k rotated as one [num_tokens, heads + kv_heads, head_dim]: half the small ops."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
-    x1, x2 = torch.cat((q, k), dim=1).chunk(2, dim=-1)
+    x1, x2 = torch.cat((q, k), dim=1).chunk(2, dim=-1)  # q and k as one: half the small ops
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.split((q.shape[1], k.shape[1]), dim=1)
 
