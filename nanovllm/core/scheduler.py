@@ -170,8 +170,7 @@ class Scheduler:
                 continue
             seq.token_ids[-1] = seq.last_token = token_id
             accepted.append(seq)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
+            if (reason := self._finish_reason(seq, token_id)) is not None:
                 if seq.status is WAITING:  # preempted while its token was computed
                     self.waiting.remove(seq)
                 self._finish(seq, reason)
