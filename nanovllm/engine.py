@@ -138,9 +138,9 @@ class LLMEngine:
             raise
         return StepOutput([self._completion_output(seq) for seq in accepted if seq.is_finished],
                           num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
-                          new_tokens=[NewToken(seq.request_id, seq.index, seq.last_token,
-                                               seq.logprobs[-1] if seq.logprobs else None)
-                                      for seq in accepted])
+                          new_tokens=[NewToken._make((seq.request_id, seq.index, seq.last_token,
+                                                      seq.logprobs[-1] if seq.logprobs else None))
+                                      for seq in accepted])  # _make: faster than NewToken(...)
 
     def _accept(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
         """Read a launched step's tokens into its sequences; those that took one."""

@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus
+from nanovllm.core.sequence import FINISHED, PENDING, RUNNING, WAITING, FinishReason, Sequence
 from nanovllm.utils import cdiv
 
 if TYPE_CHECKING:  # for annotations only: core never imports transformers (nor torch)
@@ -80,7 +80,7 @@ class Scheduler:
         for seq in list(self.running):
             if len(batch) == limit:
                 break
-            if seq.is_prefill or seq.status is not SequenceStatus.RUNNING:
+            if seq.is_prefill or seq.status is not RUNNING:
                 continue  # mid-prefill, or preempted meanwhile
             if seq.last_token == PENDING and self._at_length(seq):
                 continue  # its token still being computed is its last (async scheduling)
@@ -97,8 +97,8 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int, admit: bool = True) -> list[Sequence]:
         """Prompt chunks within `budget`: the mid-prefill one's, then waiting ones' if `admit`."""
-        batch = [seq for seq in self.running if seq.is_prefill]
-        for seq in batch:
+        batch = [self.running[-1]] if self.running and self.running[-1].is_prefill else []
+        for seq in batch:  # at most one is mid-prefill, the newest (see the top): no scan
             budget -= self._schedule_chunk(seq, budget)
         batch = [seq for seq in batch if seq.num_scheduled_tokens]
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -113,7 +113,7 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq, cached_blocks)
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RUNNING
             self.running.append(seq)
             budget -= self._schedule_chunk(seq, budget)
             batch.append(seq)
@@ -134,7 +134,7 @@ class Scheduler:
         self.running.remove(seq)  # the newest: at the end, found at once
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = WAITING
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
@@ -150,7 +150,7 @@ class Scheduler:
         token until accept(). With async scheduling the next step is scheduled in between."""
         block_size = self.block_manager.block_size
         for seq in seqs:
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is FINISHED:
                 continue  # ended while this step was being scheduled (async scheduling)
             start = seq.num_cached_tokens
             seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
@@ -166,13 +166,12 @@ class Scheduler:
         One that ended meanwhile (finished or aborted one step earlier) drops its token."""
         accepted, any_finished = [], False
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            if seq.last_token != PENDING or seq.status is SequenceStatus.FINISHED:
+            if seq.last_token != PENDING or seq.status is FINISHED:
                 continue
             seq.token_ids[-1] = seq.last_token = token_id
             accepted.append(seq)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                if seq.status is SequenceStatus.WAITING:  # preempted while its token was computed
+            if (reason := self._finish_reason(seq, token_id)) is not None:
+                if seq.status is WAITING:  # preempted while its token was computed
                     self.waiting.remove(seq)
                 self._finish(seq, reason)
                 any_finished = True
@@ -183,20 +182,19 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Why seq ends with its newest token, if it does: the one place that decides. A stop token,
         then a stop string, outrank length (vLLM's order); neither counts before min_tokens."""
-        params, num_completion = seq.sampling_params, seq.num_completion_tokens
-        past_min = num_completion > params.min_tokens
-        if past_min and token_id in seq.stop_token_ids:
+        params = seq.sampling_params
+        if token_id in seq.stop_token_ids and seq.num_completion_tokens > params.min_tokens:
             return FinishReason.STOP
         if params.stop:  # fed every step, so the search sees only the newest text
             text = self.stop_strings.check(seq)
-            if past_min and text is not None:
+            if text is not None and seq.num_completion_tokens > params.min_tokens:
                 seq.stop_text = text
                 return FinishReason.STOP
         return FinishReason.LENGTH if self._at_length(seq) else None
 
     def _at_length(self, seq: Sequence) -> bool:
         max_tokens = seq.sampling_params.max_tokens or self.max_model_len  # None: up to the limit
-        return seq.num_completion_tokens >= max_tokens or seq.num_tokens >= self.max_model_len
+        return seq.num_tokens >= min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.last_token == PENDING:  # aborted before its token was read
@@ -204,7 +202,7 @@ class Scheduler:
             seq.num_tokens -= 1
             seq.last_token = seq.token_ids[-1]
         seq.num_scheduled_tokens = 0
-        seq.status = SequenceStatus.FINISHED
+        seq.status = FINISHED
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
         if seq.sampling_params.stop:
@@ -214,7 +212,7 @@ class Scheduler:
         """Drop a pending request (its n sequences), freeing their blocks; False if not pending."""
         seqs = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
         for seq in seqs:  # O(n), but aborting is rare and off the step path
-            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            (self.waiting if seq.status is WAITING else self.running).remove(seq)
             self._finish(seq, FinishReason.ABORT)
         return bool(seqs)
 

@@ -23,6 +23,9 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+WAITING, RUNNING, FINISHED = SequenceStatus  # in order; as globals: read 7x faster than members
+
+
 class FinishReason(Enum):
     """Why a sequence finished, in vLLM's words (`.value` is what outputs report)."""
     STOP = "stop"      # EOS, a stop token id or a stop string
@@ -35,7 +38,7 @@ class Sequence:
         "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
         "block_size", "sampling_params", "stop_token_ids", "finish_reason", "stop_text",
-        "index", "parent", "logprobs", "prompt_logprobs", "num_prefix_cached_tokens",
+        "index", "parent", "request_id", "logprobs", "prompt_logprobs", "num_prefix_cached_tokens",
     )
     _next_id = count()
 
@@ -60,6 +63,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_text: str | None = None  # the text before the stop string that ended it
         self.parent, self.index = parent, index
+        self.request_id = self.seq_id if parent is None else parent.seq_id  # add_request() gave
         self.num_prefix_cached_tokens = -1  # prompt tokens that were prefix-cache hits
         # Asked-for logprobs as they come: per completion token; per prompt token (once a request)
         self.logprobs = [] if p.logprobs is not None else None
@@ -70,7 +74,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is FINISHED
 
     @property
     def num_completion_tokens(self) -> int:
@@ -79,11 +83,6 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def request_id(self) -> int:
-        """The id add_request returned: the first sequence's of the request."""
-        return self.seq_id if self.parent is None else self.parent.seq_id
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -fno-trapping-math: the softmax loop's selects may be if-converted, so it vectorizes (not
+# -ffast-math: GCC 12 would link crtfastmath, flushing denormals in the whole process).
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes it reads
 _INT, _PTR = ctypes.c_int, ctypes.c_void_p
 _ARGTYPES = (_PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int64, _PTR, _INT, _INT, _INT, _INT, _INT,

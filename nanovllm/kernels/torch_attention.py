@@ -12,8 +12,8 @@ from nanovllm.utils import cdiv
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    if bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)

@@ -10,10 +10,8 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
         self.backend: AttentionBackend | None = None
         self.k_cache = self.v_cache = torch.tensor([])
 

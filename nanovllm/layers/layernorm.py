@@ -7,10 +7,8 @@ from nanovllm.compilation import HotOp
 @HotOp
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as Hugging Face's Qwen3RMSNorm does."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    x32 = x.float()  # (torch.rms_norm measured slower on a CPU at decode sizes)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @HotOp

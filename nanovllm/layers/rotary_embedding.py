@@ -33,14 +33,10 @@ class RotaryEmbedding(nn.Module):
 @HotOp
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
+    x1, x2 = torch.cat((q, k), dim=1).chunk(2, dim=-1)  # q and k as one: half the small ops
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.split((q.shape[1], k.shape[1]), dim=1)
 
 
 def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:

@@ -66,7 +66,7 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def logits_rows(seqs: list[Sequence]) -> list[int] | None:
     """Logits rows per sequence: its whole chunk while prompt logprobs are owed, else its
     last; None when every sequence gets one."""
-    if not any(seq.needs_prompt_logits for seq in seqs):
+    if not any(seq.prompt_logprobs is not None and seq.needs_prompt_logits for seq in seqs):
         return None
     return [seq.num_scheduled_tokens if seq.needs_prompt_logits else 1 for seq in seqs]
 

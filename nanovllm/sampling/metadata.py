@@ -106,10 +106,11 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts:
     def put(data: list | np.ndarray) -> torch.Tensor:
         return list_to_device(data, device)
 
-    distinct: dict[int, int] = {}  # id(params) -> its index in `params`
-    row_params = np.array([distinct.setdefault(id(seq.sampling_params), len(distinct))
-                           for seq in seqs])
-    params = list({id(seq.sampling_params): seq.sampling_params for seq in seqs}.values())
+    all_params = [seq.sampling_params for seq in seqs]
+    distinct = {id(p): p for p in all_params}  # each SamplingParams once, first seen first
+    params, index = list(distinct.values()), {key: i for i, key in enumerate(distinct)}
+    row_params = (np.zeros(len(seqs), np.int64) if len(params) == 1  # no per-row lookups
+                  else np.array([index[id(p)] for p in all_params]))
     greedy = np.array([p.is_greedy for p in params])[row_params]
     m = SamplingMetadata(temperatures=put(np.array(
         [1.0 if p.is_greedy else p.temperature for p in params], np.float32)[row_params]),
@@ -130,6 +131,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts:
 def _add_filters(m: SamplingMetadata, params: list[SamplingParams], row_params: np.ndarray,
                  sampled: np.ndarray, vocab_size: int, put) -> None:
     # Greedy rows keep everything: their token is the argmax, taken before the filters.
+    if not any(0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0 for p in params):
+        return  # no row is filtered: no per-row arrays
     top_k = np.where(sampled, np.array([p.top_k if 0 < p.top_k < vocab_size else vocab_size
                                         for p in params])[row_params], vocab_size)
     top_p = np.where(sampled, np.array([p.top_p for p in params], np.float32)[row_params], 1)
