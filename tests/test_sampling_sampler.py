@@ -286,7 +286,9 @@ def test_penalties_match_transformers_and_a_plain_reference_as_tokens_arrive():
         logits[:, :3] = 0.0  # a logit of exactly 0 is unchanged by either rule
         m = metadata(seqs, vocab, counts=counts)
         assert m.penalties.rows.tolist() == [0, 1, 2]
-        ours = apply_penalties(logits[m.penalties.rows], m.penalties)
+        pen = m.penalties
+        ours = apply_penalties(logits[pen.rows], pen.output_counts, pen.in_prompt,
+                               pen.repetition, pen.presence, pen.frequency)
         for row, seq in enumerate(seqs[:3]):
             p = seq.sampling_params
             theirs = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(

@@ -3,13 +3,15 @@
     suppressed ids -> penalties -> [greedy rows: argmax]
                    -> temperature -> top-k -> top-p -> min-p -> sample
 
-Sampling is the exponential race: argmax(p / E), E ~ Exp(1) iid per token, draws exactly from p
-(unseeded CPU rows: the inverse CDF). A seeded row's E hashes (seed, step, token id): batch-free."""
+Each step's math is an op of kernels/sampling_ops.py; sampling there is the exponential race
+(unseeded CPU rows: the inverse CDF), a seeded row's noise a hash of (seed, step, token id)."""
 import torch
 from torch import nn
 
-from nanovllm.compilation import HotOp
-from nanovllm.sampling.metadata import Penalties, SamplingMetadata
+from nanovllm.kernels.sampling_ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
+                                           inverse_cdf, seeded_exponentials, softmax_race,
+                                           unseeded_noise)
+from nanovllm.sampling.metadata import SamplingMetadata
 
 
 class Sampler(nn.Module):
@@ -25,7 +27,8 @@ class Sampler(nn.Module):
             logits.index_put_(m.suppressed, logits.new_full((), float("-inf")))
         if m.penalties is not None:
             p = m.penalties
-            logits[p.rows] = apply_penalties(logits[p.rows], p)
+            logits[p.rows] = apply_penalties(logits[p.rows], p.output_counts, p.in_prompt,
+                                             p.repetition, p.presence, p.frequency)
         greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
         if m.all_greedy:
             return greedy_ids
@@ -42,78 +45,3 @@ class Sampler(nn.Module):
             noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
             sampled = (probs / noise).argmax(dim=-1)
         return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)
-
-
-def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """vLLM's penalties on [P, vocab]: repetition (prompt and completion), presence, frequency."""
-    in_output = p.output_counts > 0
-    seen = in_output | p.in_prompt
-    repetition = p.repetition[:, None]
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
-    return logits - p.frequency[:, None] * p.output_counts - p.presence[:, None] * in_output
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set the logits that top-k, then top-p, filter out to -inf (ties with the k-th stay)."""
-    if top_p is None:  # top-k alone needs only the max_top_k largest values, not a sort
-        values = logits.topk(max_top_k, dim=-1).values                     # [B, max_top_k]
-        kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
-        kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)   # rows keeping all
-        return logits.masked_fill_(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1)                              # ascending
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    # Ascending, a token goes when those ranked at or below it hold at most 1 - p: those above
-    # reach p without it. The one crossing p stays; p = 1 drops only probability-0 tokens.
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1 - top_p[:, None]
-    drop[:, -1] = False  # the most likely token always stays
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, order, sorted_logits)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens with p < min_p * p_max: logit < max logit + log(min_p) (log 0 keeps all)."""
-    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-    return logits.masked_fill_(logits < threshold, float("-inf"))
-
-
-@HotOp
-def softmax_race(logits: torch.Tensor) -> torch.Tensor:
-    """[B, vocab] logits -> [B] token ids drawn from softmax(logits), unseeded."""
-    probs = torch.softmax(logits, dim=-1)
-    return (probs / unseeded_noise(probs)).argmax(dim=-1)
-
-
-def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
-    """softmax_race's draw on a CPU, 3x faster; float64 keeps each token's float32 probability."""
-    cdf = torch.softmax(logits, dim=-1).cumsum(-1, dtype=torch.float64)
-    u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64)  # (0, 1]: never a p = 0 token's CDF
-    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
-
-
-def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise as -log(U): on a CPU rand + log use every thread, exponential_() one (14% of
-    a decode step). Clamped: a draw of 0 would make 0 / 0 for a filtered-out token."""
-    return torch.rand_like(probs).log_().neg_().clamp_min_(1e-10)
-
-
-def mix32(x):
-    """Wellons' 32-bit 'prospector' hash of ints in [0, 2**32), exact in int64 on any device."""
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF  # multipliers < 2**30: every product < 2**62
-    x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & 0xFFFFFFFF
-    return x ^ (x >> 15)
-
-
-def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S] keys -> [S, vocab] Exp(1) noise, the same on every device (integers up to the log)."""
-    token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
-    bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
-    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32: 0 < -log(u) < inf.
-    u = ((bits >> 9) * 2 + 1).float().mul_(2.0 ** -24)
-    return u.log_().neg_()

@@ -1,0 +1,84 @@
+"""The sampler's math on [B, vocab] logits, in plain PyTorch on any device (sampling/sampler.py
+runs them in order). Sampling is the exponential race: argmax(p / E), E ~ Exp(1) iid per token,
+draws exactly from p; a seeded row's E is a hash of (its seed key, token id), the same on every
+device and in any batch."""
+import torch
+
+from nanovllm.compilation import HotOp
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, in_prompt: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties on [P, vocab]: repetition (prompt and completion), presence, frequency
+    ([P] each); output_counts [P, vocab] times in the completion, in_prompt [P, vocab] bool."""
+    in_output = output_counts > 0
+    repetition = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(in_output | in_prompt, penalized, logits)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set the logits that top-k, then top-p, filter out to -inf (ties with the k-th stay)."""
+    if top_p is None:  # top-k alone needs only the max_top_k largest values, not a sort
+        values = logits.topk(max_top_k, dim=-1).values                     # [B, max_top_k]
+        kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
+        kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)   # rows keeping all
+        return logits.masked_fill_(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1)                              # ascending
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    # Ascending, a token goes when those ranked at or below it hold at most 1 - p: those above
+    # reach p without it. The one crossing p stays; p = 1 drops only probability-0 tokens.
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p[:, None]
+    drop[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with p < min_p * p_max: logit < max logit + log(min_p) (log 0 keeps all)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+@HotOp
+def softmax_race(logits: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] logits -> [B] token ids drawn from softmax(logits), unseeded."""
+    probs = torch.softmax(logits, dim=-1)
+    return (probs / unseeded_noise(probs)).argmax(dim=-1)
+
+
+def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
+    """softmax_race's draw on a CPU, 3x faster; float64 keeps each token's float32 probability."""
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1, dtype=torch.float64)
+    u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64)  # (0, 1]: never a p = 0 token's CDF
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
+
+
+def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise as -log(U): on a CPU rand + log use every thread, exponential_() one (14% of
+    a decode step). Clamped: a draw of 0 would make 0 / 0 for a filtered-out token."""
+    return torch.rand_like(probs).log_().neg_().clamp_min_(1e-10)
+
+
+def mix32(x):
+    """Wellons' 32-bit 'prospector' hash of ints in [0, 2**32), exact in int64 on any device."""
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF  # multipliers < 2**30: every product < 2**62
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S] keys -> [S, vocab] Exp(1) noise, the same on every device (integers up to the log)."""
+    token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
+    bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
+    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32: 0 < -log(u) < inf.
+    u = ((bits >> 9) * 2 + 1).float().mul_(2.0 ** -24)
+    return u.log_().neg_()
