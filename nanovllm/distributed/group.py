@@ -45,15 +45,10 @@ class TPGroup:
         self.process_group.gather(outputs, [x.contiguous()], opts).wait()
         return torch.cat(shards, dim=-1) if shards is not None else None
 
-    def broadcast_object(self, obj: object, device: torch.device) -> object:
-        """Rank 0's `obj` on every rank."""
-        if self.size == 1:
-            return obj
-        gathered = self.all_gather_objects(obj if self.rank == 0 else None, device)
-        return obj if self.rank == 0 else gathered[0]
-
     def all_gather_objects(self, obj: object, device: torch.device) -> list[object]:
         """Every rank's `obj`, in rank order, on every rank (pickled; `device`: the backend's)."""
+        if self.size == 1:
+            return [obj]
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.size)]
         length = torch.tensor([data.numel()], device=device)

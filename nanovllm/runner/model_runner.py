@@ -234,7 +234,7 @@ class ModelRunner:
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
         out = None if out is None else out._replace(token_ids=out.token_ids.tolist())
         if self.launch is not None:  # every rank's scheduler goes on with rank 0's tokens
-            out = self.tp_group.broadcast_object(out, self.device)
+            out = self.tp_group.all_gather_objects(out, self.device)[0]  # rank 0's
         return out
 
     @torch.inference_mode()
