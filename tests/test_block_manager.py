@@ -170,22 +170,23 @@ def test_decode_appends_a_block_exactly_when_a_token_starts_one():
     admit(bm, s)
     compute(bm, s)
     s.append_token(5)  # position 4 opens block 2
-    assert bm.can_append(s)
-    bm.may_append(s)
+    assert bm.append_slot(s)
     assert len(s.block_table) == 2
     compute(bm, s)
     s.append_token(6)  # position 5 fits in block 2
-    bm.may_append(s)
+    assert bm.append_slot(s)
     assert len(s.block_table) == 2 and bm.num_free_blocks == 1
     check_blocks(bm, [s])
 
 
-def test_can_append_is_false_without_a_free_block():
+def test_append_slot_is_false_without_a_free_block_and_takes_nothing():
     bm = BlockManager(num_blocks=1, block_size=BS)
     s = seq([1, 2, 3, 4])
     admit(bm, s)
     s.append_token(5)
-    assert not bm.can_append(s)
+    assert not bm.append_slot(s)
+    assert len(s.block_table) == 1
+    check_blocks(bm, [s])
 
 
 def test_check_blocks_catches_a_wrong_ref_count():

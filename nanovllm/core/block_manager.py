@@ -96,13 +96,15 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the token at position len(seq) - 1 has (or can get) a slot."""
-        return len(seq.block_table) * self.block_size >= seq.num_tokens or bool(self.free_block_ids)
-
-    def may_append(self, seq: Sequence) -> None:
-        if len(seq.block_table) * self.block_size < seq.num_tokens:
-            seq.block_table.append(self._take_free_block())
+    def append_slot(self, seq: Sequence) -> bool:
+        """Give the token at position len(seq) - 1 a slot (a new block when it starts one);
+        False, taking nothing, when that needs a block and none is free."""
+        if len(seq.block_table) * self.block_size >= seq.num_tokens:
+            return True
+        if not self.free_block_ids:
+            return False
+        seq.block_table.append(self._take_free_block())
+        return True
 
     def cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Hash seq's blocks that became full when tokens [start, end) got their KV."""

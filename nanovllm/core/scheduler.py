@@ -84,13 +84,12 @@ class Scheduler:
                 continue  # mid-prefill, or preempted meanwhile
             if seq.last_token == PENDING and self._at_length(seq):
                 continue  # its token still being computed is its last (async scheduling)
-            while not self.block_manager.can_append(seq):
+            while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]  # newer than seq, or seq itself: never in batch
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 batch.append(seq)
         return batch
