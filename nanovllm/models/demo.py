@@ -87,10 +87,8 @@ def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int
     a test comparing greedy tokens should check that its reference has no near-ties. With
     a tied LM head the current token's own embedding dominates its logits and greedy
     decoding repeats one or two tokens; layers drawn wider than the embedding (e.g. 0.24
-    against 0.08) outweigh it and the output varies. Norm weights are perturbed away from
-    1 so a missing norm is caught. `config_style="transformers4"` writes config.json with
-    `rope_theta`/`torch_dtype`, as real Qwen3 checkpoints do.
-    """
+    against 0.08) outweigh it and the output varies. Norm weights are perturbed (a missing
+    norm is caught). `config_style="transformers4"`: rope_theta/torch_dtype, as real Qwen3's."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
