@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.linear import PACKED_MAX_ROWS, LinearBase, linear, pack_linear_weights
+import nanovllm.layers.linear as linear_module
+from nanovllm.layers.linear import (PACKED_MAX_ROWS, PACKED_MIN_WEIGHT, LinearBase, linear,
+                                    pack_linear_weights)
 
 from conftest import hf_greedy
 
@@ -38,24 +40,39 @@ def test_rows_above_the_limit_use_the_dense_weight():
     assert linear(x[:4], weight, None, wrong).eq(0).all()
 
 
+@pytest.fixture
+def pack_every_size(monkeypatch):
+    """The test checkpoints' layers are all below PACKED_MIN_WEIGHT: pack them anyway."""
+    monkeypatch.setattr(linear_module, "PACKED_MIN_WEIGHT", 0)
+
+
 def packed_layers(llm: LLM) -> list[bool]:
     return [m.packed is not None for m in llm.model_runner.model.modules()
             if hasattr(m, "packed")]
 
 
-def test_a_cpu_engine_packs_every_linear_and_the_lm_head_and_matches_transformers(checkpoints,
-                                                                                   caplog):
+def test_a_cpu_engine_packs_every_linear_and_the_lm_head_and_matches_transformers(
+        checkpoints, caplog, pack_every_size):
     path = str(checkpoints["gqa"])
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(path, device="cpu") as llm:
             assert all(packed_layers(llm)) and llm.model_runner.model.lm_head.packed is not None
             out = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
-    assert "CPU linears: oneDNN-packed weights" in caplog.text
+    assert "CPU linears: oneDNN-packed weights for" in caplog.text
     assert out[0]["token_ids"] == hf_greedy(path, (5, 6, 7, 8), 12)
 
 
+def test_weights_below_the_minimum_stay_on_f_linear(checkpoints):
+    with LLM(str(checkpoints["gqa"]), device="cpu") as llm:  # every weight < PACKED_MIN_WEIGHT
+        assert not any(packed_layers(llm))
+    small, big = LinearBase(256, 255, bias=False), LinearBase(256, 256, bias=False)
+    assert big.weight.numel() == PACKED_MIN_WEIGHT
+    assert pack_linear_weights(torch.nn.ModuleList([small, big])) == 1
+    assert small.packed is None and big.packed is not None
+
+
 def test_no_copies_when_they_would_not_fit_a_quarter_of_the_memory(checkpoints, monkeypatch,
-                                                                  caplog):
+                                                                  caplog, pack_every_size):
     monkeypatch.setattr(model_runner, "physical_memory", lambda: 1024)
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(str(checkpoints["gqa"]), device="cpu") as llm:
@@ -64,7 +81,7 @@ def test_no_copies_when_they_would_not_fit_a_quarter_of_the_memory(checkpoints, 
 
 
 def test_a_dtype_onednn_cannot_pack_leaves_every_layer_on_f_linear(checkpoints, monkeypatch,
-                                                                   caplog):
+                                                                   caplog, pack_every_size):
     calls = []
 
     def fail_on_the_third(weight, batch_size):
@@ -81,7 +98,7 @@ def test_a_dtype_onednn_cannot_pack_leaves_every_layer_on_f_linear(checkpoints, 
     assert "F.linear only (mkldnn_reorder_linear_weight: bf16 path needs avx512bw)" in caplog.text
 
 
-def test_a_packed_layer_gives_its_dense_output_and_undo_drops_the_copy():
+def test_a_packed_layer_gives_its_dense_output_and_undo_drops_the_copy(pack_every_size):
     layer = LinearBase(16, 8, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)

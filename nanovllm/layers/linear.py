@@ -36,8 +36,11 @@ def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) 
 
 # Up to this many rows (decode batches, short chunks) oneDNN's GEMM on a prepacked weight
 # beat F.linear's MKL one 1.1-3.6x on the 2-core AMD EPYC measured; from 512 rows they were
-# even or MKL won (python benchmarks/cpu_linear.py).
+# even or MKL won (python benchmarks/cpu_linear.py). Below PACKED_MIN_WEIGHT elements its
+# ~30-40 us of fixed cost a call outweighed the GEMM: F.linear was as fast or faster at 8-256
+# rows, 1 and 2 threads ([64, 32] 0.15-0.55x, [384, 128] 0.48-1.0x; [768, 256] 0.86-1.29x).
 PACKED_MAX_ROWS = 256
+PACKED_MIN_WEIGHT = 2**16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -48,13 +51,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def pack_linear_weights(model: nn.Module, undo: bool = False) -> None:
-    """A CPU runner's choice: every linear (the LM head too) gets a copy of its weight in
-    oneDNN's blocked layout, beside the weight itself (`undo`: drop the copies)."""
+def pack_linear_weights(model: nn.Module, undo: bool = False) -> int:
+    """A CPU runner's choice: every linear (the LM head too) of at least PACKED_MIN_WEIGHT
+    elements gets a copy of its weight in oneDNN's blocked layout, beside the weight itself
+    (`undo`: drop the copies). Returns how many got one."""
+    packed = 0
     for module in model.modules():
         if hasattr(module, "packed"):  # LinearBase and ParallelLMHead
-            module.packed = None if undo else torch.ops.mkldnn._reorder_linear_weight(
-                module.weight.detach(), None)
+            pack = not undo and module.weight.numel() >= PACKED_MIN_WEIGHT
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(
+                module.weight.detach(), None) if pack else None
+            packed += pack
+    return packed
 
 
 class LinearBase(nn.Module):

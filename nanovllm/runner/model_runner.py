@@ -135,12 +135,16 @@ class ModelRunner:
             why = f"{copies / 2**30:.1f} GiB of copies would exceed a quarter of the RAM"
         else:
             try:
-                pack_linear_weights(self.model)
+                num_packed = pack_linear_weights(self.model)
             except RuntimeError as e:  # e.g. bfloat16 without avx512 / avx_ne_convert
                 why = str(e).splitlines()[0]
                 pack_linear_weights(self.model, undo=True)
-        logging.getLogger("nanovllm").info("CPU linears: %s", "oneDNN-packed weights" if why is None
-                                           else f"F.linear only ({why})")
+        log = logging.getLogger("nanovllm")
+        if why is None:
+            log.info("CPU linears: oneDNN-packed weights for %d layers (smaller ones: F.linear)",
+                     num_packed)
+        else:
+            log.info("CPU linears: F.linear only (%s)", why)
 
     def allocate_kv_cache(self) -> int:
         """Allocate the KV cache and bind it to the layers; the block count."""
