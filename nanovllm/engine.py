@@ -123,7 +123,7 @@ class LLMEngine:
             num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
             if seqs:  # async: only queued on the device, its tokens read by the next step
                 out = (self.model_runner.execute_model(seqs) if self.config.async_scheduling
-                       else self.model_runner.call("run", seqs))
+                       else self.model_runner.run(seqs))
             if previous is not None:
                 accepted = self._accept(*previous)  # step n's tokens, while n + 1 runs
             self.scheduler.advance(seqs)

@@ -150,7 +150,7 @@ def test_without_logprobs_the_lm_head_computes_one_row_per_sequence():
     seqs = [chunk(Sequence(list(range(3, 43)), SamplingParams(), 16), 0, 40),
             chunk(Sequence([5, 6, 7], SamplingParams(), 16), 0, 3)]
     assert logits_rows(seqs) is None and find_logprob_rows(seqs, None) is None
-    ctx = prepare_inputs(seqs, 16, torch.device("cpu")).context
+    ctx = prepare_inputs(seqs, 16).context
     assert ctx.logits_indices.tolist() == [39, 42]
 
 
@@ -160,7 +160,7 @@ def test_a_prompt_chunk_owing_prompt_logprobs_gets_every_row_and_the_last_sample
     other = chunk(Sequence([5, 6, 7], SamplingParams(logprobs=2), 16), 0, 3)
     seqs = [other, owing]
     assert logits_rows(seqs) == [1, 8]
-    ctx = prepare_inputs(seqs, 16, torch.device("cpu")).context
+    ctx = prepare_inputs(seqs, 16).context
     assert ctx.logits_indices.tolist() == [2, *range(3, 11)]
     asked = find_logprob_rows(seqs, logits_rows(seqs))
     # owing's rows 1..7 predict tokens 33..39; its row 8 (token 40) would be sampled

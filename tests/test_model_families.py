@@ -58,7 +58,7 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
         seq.num_scheduled_tokens = len(prompt)
         seqs.append(seq)
     with torch.inference_mode():
-        return runner._forward(*prepare_inputs(seqs, BLOCK, runner.device))
+        return runner.forward(prepare_inputs(seqs, BLOCK))
 
 
 # -- each family against transformers -------------------------------------------------

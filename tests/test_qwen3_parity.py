@@ -60,7 +60,7 @@ def test_prefill_logits_match_transformers(checkpoints, shape):
             seq.num_scheduled_tokens = len(prompt)
             seqs.append(seq)
         with torch.inference_mode():
-            ours = runner._forward(*prepare_inputs(seqs, BLOCK, runner.device))
+            ours = runner.forward(prepare_inputs(seqs, BLOCK))
     with torch.inference_mode():
         theirs = torch.stack([hf_model(str(path))(torch.tensor([p])).logits[0, -1] for p in prompts])
     assert ours.shape == theirs.shape

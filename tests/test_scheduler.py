@@ -240,16 +240,3 @@ def test_scripted_workload_keeps_integrity_and_frees_every_block():
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert steps < 100
     assert bm.num_cache_hit_blocks > 0
-
-
-def test_sequence_pickles_all_tokens_while_prefilling_and_only_the_last_after():
-    import pickle
-    s = Sequence([1, 2, 3], SamplingParams(), BS)
-    s.block_table = [7]
-    copy = pickle.loads(pickle.dumps(s))
-    assert copy.token_ids == [1, 2, 3] and copy.block_table == [7]
-    s.is_prefill = False
-    s.append_token(9)
-    copy = pickle.loads(pickle.dumps(s))
-    assert copy.last_token == 9 and copy.token_ids == [] and len(copy) == 4
-    assert len(pickle.dumps(copy)) < len(pickle.dumps(Sequence(list(range(1000)), SamplingParams(), BS)))

@@ -157,12 +157,12 @@ def test_a_step_that_fails_on_rank_0_leaves_the_engine_refusing_to_run(checkpoin
     class Interrupted(Exception):
         pass
 
-    def interrupted(seqs):
+    def interrupted(*args):
         raise Interrupted  # the worker, meanwhile, waits in the step's first collective
 
     llm = LLM(str(checkpoints["gqa"]), num_kvcache_blocks=32, **TP2)
     worker = worker_processes(llm)[0]
-    llm.model_runner.execute_model = interrupted
+    llm.model_runner._forward = interrupted  # after the workers got the step's inputs
     with pytest.raises(Interrupted):
         generate(llm, [[1, 2, 3]])
     with pytest.raises(RuntimeError, match="out of step"):
@@ -254,3 +254,40 @@ def test_merged_column_parts_must_each_divide():
     with tp_group_scope(TPGroup(rank=0, size=2)):
         with pytest.raises(AssertionError, match=r"\[3, 3\]"):  # Config refuses it first
             MergedColumnParallelLinear(8, [3, 3])  # the sum, 6, would divide
+
+
+def test_a_steps_inputs_reach_a_worker_intact_and_hold_no_sequence():
+    """What rank 0 pickles per step: the host-built tensors of prepare_inputs, as arrays."""
+    import io
+    import pickle
+    from dataclasses import fields
+
+    from nanovllm.core import Sequence
+    from nanovllm.distributed.workers import TensorsAsArrays
+    from nanovllm.runner.step_inputs import prepare_inputs
+
+    decoding = Sequence(list(range(20)), None, BLOCK)
+    decoding.block_table, decoding.is_prefill, decoding.num_scheduled_tokens = [3, 1], False, 1
+    prefilling = Sequence(list(range(40, 70)), None, BLOCK)
+    prefilling.block_table, prefilling.num_cached_tokens = [5, 0], BLOCK  # a cached prefix
+    prefilling.num_scheduled_tokens = 30 - BLOCK
+    inputs = prepare_inputs([decoding, prefilling], BLOCK)
+    message = io.BytesIO()
+    TensorsAsArrays(message, pickle.HIGHEST_PROTOCOL).dump(("forward", (inputs, None)))
+    assert b"Sequence" not in message.getvalue()
+    method, (received, feed) = pickle.loads(message.getvalue())
+    assert method == "forward" and feed is None
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        elif hasattr(a, "__dataclass_fields__"):
+            for f in fields(a):
+                same(getattr(a, f.name), getattr(b, f.name))
+        else:
+            assert a == b
+
+    same(inputs.input_ids, received.input_ids)
+    same(inputs.positions, received.positions)
+    same(inputs.context, received.context)
+    assert received.context.decode is not None and received.context.prefill is not None

@@ -103,21 +103,3 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
-
-    # Workers need every token only while prefilling; decoding needs just the last one.
-    def __getstate__(self):
-        tokens = self.token_ids if self.is_prefill else self.last_token
-        return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-                self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
-                tokens, self.needs_prompt_logits)
-
-    def __setstate__(self, state) -> None:
-        (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
-         tokens, needs_prompt_logits) = state
-        self.prompt_logprobs = [] if needs_prompt_logits else None
-        self.token_ids = tokens if self.is_prefill else []
-        self.last_token = tokens[-1] if self.is_prefill else tokens
-        self.status = SequenceStatus.RUNNING
-        self.sampling_params = self.finish_reason = self.stop_text = None
-        self.stop_token_ids = frozenset()

@@ -1,6 +1,7 @@
 """ModelRunner: builds the model and its KV cache on a device, runs each scheduled batch
 (step_inputs.py) and samples. With tensor parallelism one per rank; rank 0 drives each step
-with `call("run", seqs)` and alone samples."""
+with `call("forward", inputs)` (the step's host-built tensors; workers never see a Sequence)
+and alone samples."""
 import logging
 import math
 import weakref
@@ -25,7 +26,7 @@ from nanovllm.runner.device import (keep_freed_host_memory, list_to_device,
 from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
                                       kv_cache_shape, num_blocks_within, untracked_cuda_memory)
 from nanovllm.models.loader import load_dummy_weights, load_model
-from nanovllm.runner.step_inputs import logits_rows, prepare_inputs
+from nanovllm.runner.step_inputs import StepInputs, logits_rows, on_device, prepare_inputs
 from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler
@@ -128,23 +129,19 @@ class ModelRunner:
         pack this dtype, MKL's F.linear alone."""
         copies = self.config.tensor_parallel_size * sum(  # at most: norms are not copied
             p.numel() * p.element_size() for p in self.model.parameters())
-        why = None
         if not torch.backends.mkldnn.is_available():
-            why = "oneDNN is unavailable"
+            choice = "F.linear only (oneDNN is unavailable)"
         elif copies > physical_memory() // 4:
-            why = f"{copies / 2**30:.1f} GiB of copies would exceed a quarter of the RAM"
+            choice = (f"F.linear only ({copies / 2**30:.1f} GiB of copies would exceed a quarter "
+                      "of the RAM)")
         else:
             try:
-                num_packed = pack_linear_weights(self.model)
+                choice = (f"oneDNN-packed weights for {pack_linear_weights(self.model)} layers "
+                          "(smaller ones: F.linear)")
             except RuntimeError as e:  # e.g. bfloat16 without avx512 / avx_ne_convert
-                why = str(e).splitlines()[0]
+                choice = f"F.linear only ({str(e).splitlines()[0]})"
                 pack_linear_weights(self.model, undo=True)
-        log = logging.getLogger("nanovllm")
-        if why is None:
-            log.info("CPU linears: oneDNN-packed weights for %d layers (smaller ones: F.linear)",
-                     num_packed)
-        else:
-            log.info("CPU linears: F.linear only (%s)", why)
+        logging.getLogger("nanovllm").info("CPU linears: %s", choice)
 
     def allocate_kv_cache(self) -> int:
         """Allocate the KV cache and bind it to the layers; the block count."""
@@ -203,7 +200,7 @@ class ModelRunner:
             seq.num_scheduled_tokens = max_len
             # Slots are computed but never written: there is no KV cache yet.
             seq.block_table = [0] * seq.num_blocks
-        self._forward(*prepare_inputs(seqs, self.block_size, self.device))
+        self.forward(prepare_inputs(seqs, self.block_size))
         if self.rank == 0:
             self._warmup_sampler()
         torch.cuda.synchronize(self.device)
@@ -233,7 +230,8 @@ class ModelRunner:
         return self.workers.call(getattr(self, method), method, args)
 
     def run(self, seqs: list[Sequence]) -> SamplerOutput | None:
-        """One step: rank 0's token id per sequence and the logprobs asked for; None elsewhere."""
+        """One step: rank 0's token id per sequence and the logprobs asked for (under torchrun
+        on every rank: each runs its own engine in lockstep)."""
         out = self.execute_model(seqs)
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
         out = None if out is None else out._replace(token_ids=out.token_ids.tolist())
@@ -243,11 +241,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, seqs: list[Sequence]) -> SamplerOutput | None:
-        """A step's work, queued on the device: the sampled ids [len(seqs)] on rank 0."""
-        input_ids, positions, ctx = prepare_inputs(seqs, self.block_size, self.device)
+        """A step's work, queued on the device (spawned ranks get its host-built inputs
+        through call()): the sampled ids [len(seqs)] on rank 0."""
+        feed = None  # async scheduling: rows whose input is the step in flight's sampled id
         if self.config.async_scheduling:
-            self._feed_sampled(seqs, input_ids)
-        logits = self._forward(input_ids, positions, ctx)
+            feed = [(row, self.sampled[1][seq.seq_id])
+                    for row, seq in enumerate(seqs) if seq.last_token == PENDING] or None
+        logits = self.call("forward", prepare_inputs(seqs, self.block_size), feed)
         if self.rank != 0:
             return None
         out = self.sample(seqs, logits)
@@ -255,14 +255,16 @@ class ModelRunner:
             self.sampled = out.token_ids, {seq.seq_id: i for i, seq in enumerate(seqs)}
         return out
 
-    def _feed_sampled(self, seqs: list[Sequence], input_ids: torch.Tensor) -> None:
-        """Async scheduling: a row whose input the step before is still computing (PENDING)
-        reads it from that step's sampled ids, on the device (no host round trip)."""
-        pending = [(row, self.sampled[1][seq.seq_id])
-                   for row, seq in enumerate(seqs) if seq.last_token == PENDING]
-        if pending:
-            rows, previous_rows = list_to_device(pending, self.device).unbind(1)
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, feed: list[tuple[int, int]] | None = None
+                ) -> torch.Tensor | None:
+        """Every rank: host-built inputs onto the device, `feed`'s (row, row of the step
+        before) inputs taken there from its sampled ids (no host round trip), the model."""
+        input_ids, positions, ctx = on_device(inputs, self.device)
+        if feed is not None:
+            rows, previous_rows = list_to_device(feed, self.device).unbind(1)
             input_ids[rows] = self.sampled[0][previous_rows]
+        return self._forward(input_ids, positions, ctx)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor | None:

@@ -1,11 +1,12 @@
-"""A scheduled batch (decode rows first) -> the model's inputs and the step's ForwardContext.
-A sequence computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V
+"""A scheduled batch (decode rows first) -> the model's inputs and the step's ForwardContext,
+built on the host (what rank 0 sends tensor-parallel workers), then on_device(). A sequence computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V
 goes to its slot (block_size 4):
 
     block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
     positions     0  1  2  3 | 4  5
     slots        28 29 30 31 | 8  9
 """
+from dataclasses import fields, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -22,7 +23,7 @@ class StepInputs(NamedTuple):
     context: ForwardContext
 
 
-def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) -> StepInputs:
+def prepare_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
     num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
     decode, prefill = seqs[:num_decode], seqs[num_decode:]
     input_ids = [seq.last_token for seq in decode]
@@ -37,16 +38,29 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, device: torch.device) 
     rows = np.repeat(np.arange(len(seqs)), lens_q) if prefill else np.arange(len(seqs))
     slots = block_tables[rows, positions_np // block_size].astype(np.int64) * block_size \
         + positions_np % block_size
-    ctx = ForwardContext(_to_device(slots, device), num_decode_tokens=num_decode)
+    ctx = ForwardContext(torch.from_numpy(slots), num_decode_tokens=num_decode)
     if decode:
         lens = (positions_np[:num_decode] + 1).astype(np.int32)
-        ctx.decode = AttentionMetadata(_to_device(block_tables[:num_decode], device),
-                                       context_lens=_to_device(lens, device))
+        ctx.decode = AttentionMetadata(torch.from_numpy(block_tables[:num_decode]),
+                                       context_lens=torch.from_numpy(lens))
     if prefill:
-        ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:], device)
-        ctx.logits_indices = to_device(_logits_indices(seqs, lens_q), device)
-    return StepInputs(_to_device(np.array(input_ids, dtype=np.int64), device),
-                      _to_device(positions_np, device), ctx)
+        ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:])
+        ctx.logits_indices = _logits_indices(seqs, lens_q)
+    return StepInputs(torch.from_numpy(np.array(input_ids, dtype=np.int64)),
+                      torch.from_numpy(positions_np), ctx)
+
+
+def on_device(inputs: StepInputs, device: torch.device) -> StepInputs:
+    """Host-built inputs with every tensor (the context's and its metadata's too) on `device`."""
+    def moved(obj):  # a dataclass with its tensor fields copied to the device; None stays None
+        return obj and replace(obj, **{f.name: to_device(v, device) for f in fields(obj)
+                                       if isinstance(v := getattr(obj, f.name), torch.Tensor)})
+
+    if device.type == "cpu":
+        return inputs
+    ctx = inputs.context
+    return StepInputs(to_device(inputs.input_ids, device), to_device(inputs.positions, device),
+                      replace(moved(ctx), decode=moved(ctx.decode), prefill=moved(ctx.prefill)))
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:
@@ -57,10 +71,6 @@ def _block_tables(seqs: list[Sequence]) -> np.ndarray:
         flat += seq.block_table
         flat += [-1] * (width - len(seq.block_table))
     return np.array(flat, dtype=np.int32).reshape(len(seqs), width)
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return to_device(torch.from_numpy(array), device)
 
 
 def logits_rows(seqs: list[Sequence]) -> list[int] | None:
@@ -80,18 +90,16 @@ def _logits_indices(seqs: list[Sequence], lens_q: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(end - n, end) for end, n in zip(ends.tolist(), rows)])
 
 
-def _prefill_metadata(seqs: list[Sequence], block_tables: torch.Tensor,
-                      device: torch.device) -> AttentionMetadata:
+def _prefill_metadata(seqs: list[Sequence], block_tables: np.ndarray) -> AttentionMetadata:
     """Each chunk's queries over its keys (cached prefix + chunk); block tables only when
     some chunk has a prefix to read from the cache."""
     seqlens_q = [seq.num_scheduled_tokens for seq in seqs]
     seqlens_k = [seq.num_cached_tokens + n for seq, n in zip(seqs, seqlens_q)]
     cu_seqlens = torch.zeros(2, len(seqs) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor([seqlens_q, seqlens_k]), 1, out=cu_seqlens[:, 1:])
-    cu_seqlens = to_device(cu_seqlens, device)
     has_prefix = any(seq.num_cached_tokens for seq in seqs)
     return AttentionMetadata(
-        block_tables=_to_device(block_tables, device) if has_prefix else None,
+        block_tables=torch.from_numpy(block_tables) if has_prefix else None,
         cu_seqlens_q=cu_seqlens[0], cu_seqlens_k=cu_seqlens[1],
         max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
         seqlens_q=seqlens_q, seqlens_k=seqlens_k)
