@@ -47,7 +47,7 @@ class Sequence:
                  parent: "Sequence | None" = None, index: int = 0):
         """n > 1: `parent` is the request's first sequence, `index` which completion this is."""
         self.seq_id = next(Sequence._next_id)
-        self.status = SequenceStatus.WAITING
+        self.status = WAITING
         self.token_ids = list(token_ids)
         self.last_token = self.token_ids[-1]
         self.num_tokens = self.num_prompt_tokens = len(self.token_ids)
