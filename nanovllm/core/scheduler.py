@@ -38,7 +38,9 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request that check_fits accepted."""
+        """Queue a request that check_fits accepted, its length limit resolved."""
+        max_tokens = seq.sampling_params.max_tokens or self.max_model_len  # None: up to the limit
+        seq.max_num_tokens = min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
         self.waiting.append(seq)
 
     def check_fits(self, seq: Sequence) -> None:
@@ -82,7 +84,7 @@ class Scheduler:
                 break
             if seq.is_prefill or seq.status is not RUNNING:
                 continue  # mid-prefill, or preempted meanwhile
-            if seq.last_token == PENDING and self._at_length(seq):
+            if seq.last_token == PENDING and seq.num_tokens >= seq.max_num_tokens:
                 continue  # its token still being computed is its last (async scheduling)
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]  # newer than seq, or seq itself: never in batch
@@ -189,11 +191,7 @@ class Scheduler:
             if text is not None and seq.num_completion_tokens > params.min_tokens:
                 seq.stop_text = text
                 return FinishReason.STOP
-        return FinishReason.LENGTH if self._at_length(seq) else None
-
-    def _at_length(self, seq: Sequence) -> bool:
-        max_tokens = seq.sampling_params.max_tokens or self.max_model_len  # None: up to the limit
-        return seq.num_tokens >= min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
+        return FinishReason.LENGTH if seq.num_tokens >= seq.max_num_tokens else None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.last_token == PENDING:  # aborted before its token was read

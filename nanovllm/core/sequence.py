@@ -39,6 +39,7 @@ class Sequence:
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
         "block_size", "sampling_params", "stop_token_ids", "finish_reason", "stop_text",
         "index", "parent", "request_id", "logprobs", "prompt_logprobs", "num_prefix_cached_tokens",
+        "max_num_tokens",
     )
     _next_id = count()
 
@@ -60,6 +61,7 @@ class Sequence:
         # The token ids that end it, resolved once: its stop ids, and EOS unless ignored.
         eos = () if p.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset([*p.stop_token_ids, *eos])
+        self.max_num_tokens = 0  # the length it ends at: Scheduler.add resolves it
         self.finish_reason: FinishReason | None = None
         self.stop_text: str | None = None  # the text before the stop string that ended it
         self.parent, self.index = parent, index
