@@ -1,0 +1,153 @@
+"""The CPU's inverse-CDF draw (nanovllm/kernels/sampling_ops.py). Oracles: searchsorted on
+the float64 CDF of the whole row (the one-level search the two levels replace), for given
+uniforms; and the softmax written out in Python, for inverse_cdf's draws (Pearson's
+chi-square under the 0.999 quantile, fixed seeds), at vocabularies of several chunks with
+the mass on the tokens at chunk edges and probability-0 tokens beside them. On the CPU;
+this folder also runs under the Triton interpreter, which these tests do not use."""
+import math
+
+import pytest
+import torch
+
+from nanovllm.kernels.sampling_ops import (CDF_CHUNK, TWO_LEVEL_MIN, inverse_cdf,
+                                           inverse_cdf_index, two_level_index)
+
+F64 = torch.float64
+C = CDF_CHUNK
+CHI2_999 = {7: 24.322}  # the 0.999 quantile of chi-square, 7 degrees of freedom
+
+
+def full_cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose float64 CDF over the whole row reaches u * total."""
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
+
+
+def edge_weights(rows: int, vocab: int, size: int, gen: torch.Generator,
+                 spread: bool = False) -> torch.Tensor:
+    """Random weights, 40% of them 0, and rows whose zeros sit at the chunk edges: the first
+    and last token of every chunk, a whole chunk, the tail, all but one edge token. From
+    torch.rand, multiples of 2**-24 below 1, so every float64 sum of a row's weights is exact;
+    `spread`: exp(-40 rand) instead, 17 decades, as a softmax's, whose float64 sums round."""
+    w = torch.rand(rows, vocab, generator=gen)
+    if spread:
+        w = w.mul_(-40).exp_()
+    w *= torch.rand(rows, vocab, generator=gen) > 0.4
+    ids = torch.arange(vocab)
+    w[0::4, (ids % size == 0) | (ids % size == size - 1)] = 0
+    w[1::4, size:2 * size] = 0                       # a chunk of weight 0 inside
+    w[2::4, vocab // size * size - 1:] = 0           # the last full chunk's end and the tail
+    w[3:8:2] = 0
+    w[3, min(size, vocab) - 1] = 1.0                 # one token, a chunk's last
+    w[5, [min(size, vocab - 2), vocab - 1]] = 0.5    # a chunk's first and the vocab's last
+    w[7, -1] = 1.0                                   # the vocab's last alone
+    return w
+
+
+def uniforms(rows: int, gen: torch.Generator) -> torch.Tensor:
+    u = 1 - torch.rand(rows, 1, dtype=F64, generator=gen)  # (0, 1], as inverse_cdf draws
+    u[::3] = 1.0              # the top of the CDF: the last token of weight > 0
+    u[1::3][:4] = 2.0 ** -53  # the smallest 1 - rand: the first token of weight > 0
+    return u
+
+
+def assert_on_target(w: torch.Tensor, u: torch.Tensor, got: torch.Tensor):
+    """Of weight > 0, and its step of the full float64 CDF holds u * total up to 1e-12 of the
+    total: the token that CDF picks up to float64 rounding (the rounding is ~1e-16)."""
+    got = got[:, None]
+    assert (w.gather(1, got) > 0).all()
+    cdf = w.double().cumsum(-1)
+    target, tol = u * cdf[:, -1:], 1e-12 * cdf[:, -1:]
+    below = torch.where(got > 0, cdf.gather(1, (got - 1).clamp_min(0)), 0)
+    assert (below <= target + tol).all() and (cdf.gather(1, got) >= target - tol).all()
+
+
+CASES = [(4 * C, C), (5 * C + 77, C), (151936, C), (1000, 7), (300, 512)]
+
+
+@pytest.mark.parametrize("vocab,size", CASES)
+def test_two_levels_pick_the_token_the_full_float64_cdf_does(vocab, size):
+    """Exact sums: the two searches agree token for token, u = 1 and 2**-53 included."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 48 if vocab > 100_000 else 400
+    w, u = edge_weights(rows, vocab, size, gen), uniforms(rows, gen)
+    got = two_level_index(w, u, size)
+    assert torch.equal(got, full_cdf_index(w, u))
+    assert_on_target(w, u, got)
+
+
+@pytest.mark.parametrize("vocab,size", CASES)
+def test_rounded_sums_still_land_on_the_target_never_on_a_zero(vocab, size):
+    """Sums that round: the chunk's own cumsum may end a little below what the chunk CDF
+    leaves of u * total (with u = 1, in many rows here); the token is then still the one on
+    target and never a weight-0 token after the chunk's last, nor one past the vocab."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    rows = 48 if vocab > 100_000 else 400
+    w, u = edge_weights(rows, vocab, size, gen, spread=True), uniforms(rows, gen)
+    assert_on_target(w, u, two_level_index(w, u, size))
+
+
+def test_targets_at_chunk_edges_land_beside_them_never_on_a_zero():
+    """u * total on the CDF at each chunk's end, a float64 ulp and 1e-10 of the total either
+    side. Within an ulp the two levels' sums may round otherwise than the full cumsum, so
+    either neighbour of the edge may come out; 1e-10 away only the side it is on (what
+    float32 chunk sums would miss); never a token of weight 0."""
+    vocab, size = 6 * C + 40, C
+    for spread in (False, True):
+        w = edge_weights(8, vocab, size, torch.Generator().manual_seed(3), spread)
+        cdf = w.double().cumsum(-1)
+        rows, us = [], []
+        for r in range(len(w)):
+            for edge in range(size - 1, vocab, size):
+                u = (cdf[r, edge] / cdf[r, -1]).item()
+                for x in (u - 1e-10, math.nextafter(u, 0), u, math.nextafter(u, 2), u + 1e-10):
+                    if 0 < x <= 1:
+                        rows.append(r), us.append(x)
+        u = torch.tensor(us, dtype=F64)[:, None]
+        assert_on_target(w[rows], u, two_level_index(w[rows], u, size))
+
+
+def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks():
+    """Mass on chunk edges (the first and last token of chunks 0 and 1, the tail's first, the
+    vocab's last but one), spread evenly over chunk 3, every other token -inf: chunk 2 and
+    the vocab's last token among them. Enough rows that inverse_cdf takes the two levels."""
+    vocab = 4 * C + 77
+    mass = {0: 0.2, C - 1: 0.15, C: 0.15, 2 * C - 1: 0.1, 4 * C: 0.1, vocab - 2: 0.2}
+    n = 12_000
+    assert n * vocab >= TWO_LEVEL_MIN and vocab >= 4 * C
+    logits = torch.full((vocab,), float("-inf"))
+    for t, p in mass.items():
+        logits[t] = math.log(p)
+    logits[3 * C:4 * C] = math.log(0.1 / C)
+    torch.manual_seed(11)
+    tokens = inverse_cdf(logits.expand(n, vocab).clone())
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[list(mass)] = True
+    allowed[3 * C:4 * C] = True
+    assert allowed[tokens].all(), tokens[~allowed[tokens]].unique()
+    counts = torch.bincount(tokens, minlength=vocab)
+    half = 3 * C + C // 2  # chunk 3 in halves: where in the chunk counts too
+    observed = [counts[t].item() for t in mass]
+    observed += [counts[3 * C:half].sum().item(), counts[half:4 * C].sum().item()]
+    expected = [n * p for p in (*mass.values(), 0.05, 0.05)]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    assert chi2 < CHI2_999[len(expected) - 1], (chi2, observed, expected)
+
+
+@pytest.mark.parametrize("rows,vocab", [(256, 512), (24, 151936)])
+def test_a_seed_reproduces_the_draw_of_one_uniform_a_row(rows, vocab):
+    """inverse_cdf = the full-CDF search of one 1 - torch.rand a row, at the tests' models'
+    vocab (one level) and Qwen's (two), with filtered-out tokens; nothing else drawn."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[torch.rand(rows, vocab, generator=gen) < 0.5] = float("-inf")
+    assert (rows * vocab >= TWO_LEVEL_MIN) == (vocab > 512)
+    torch.manual_seed(5)
+    drawn, after = inverse_cdf(logits.clone()), torch.rand(1)
+    torch.manual_seed(5)
+    u = 1 - torch.rand(rows, 1, dtype=F64)
+    assert torch.equal(after, torch.rand(1))
+    probs = torch.softmax(logits, -1)
+    assert torch.equal(drawn, full_cdf_index(probs, u))
+    assert torch.equal(drawn, inverse_cdf_index(probs, u))
+    assert (probs.gather(1, drawn[:, None]) > 0).all()
