@@ -117,6 +117,43 @@ def test_native_decode_reads_a_bfloat16_cache_as_the_reference_does():
     assert torch.allclose(native.float(), reference.float(), atol=2e-2)  # a bf16 rounding or two
 
 
+@pytest.mark.skipif(not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
+                                            (128, 4), (40, 3), (16, 2), (32, 4)])
+def test_native_decode_over_block_sizes_head_dims_and_groups(dtype, block_size, head_dim, group):
+    """The kernel's paths: head_dims it compiles for (16..256) and any other (40: a 16-wide
+    chunk and a tail), heads two at a time and an odd one left, 4-row tiles and the rows
+    left, one and several blocks a sequence; a bfloat16 cache read exactly (float32 q)."""
+    lengths = [1, 3, 16, 17, 300]
+    k_cache, v_cache, tables, ctx = paged_batch(lengths, block_size=block_size, num_kv_heads=2,
+                                                head_dim=head_dim, dtype=dtype)
+    q = torch.randn(len(lengths), 2 * group, head_dim, generator=torch.Generator().manual_seed(1))
+    out = cpu_decode.paged_decode(cpu_decode.load(), q, k_cache, v_cache, ctx.block_tables,
+                                  ctx.context_lens, 0.1)
+    for i, n in enumerate(lengths):
+        expected = naive_decode(q[i], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.1)
+        assert torch.allclose(out[i].double(), expected, atol=1e-5), f"sequence {i} (length {n})"
+
+
+@pytest.mark.skipif(not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")
+def test_native_decode_is_the_same_on_two_threads():
+    lengths = [(13 * i) % 70 + 1 for i in range(9)]
+    k_cache, v_cache, _, ctx = paged_batch(lengths, block_size=16, head_dim=64, dtype=torch.bfloat16)
+    q = torch.randn(len(lengths), 4, 64)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(cpu_decode.paged_decode(cpu_decode.load(), q, k_cache, v_cache,
+                                                ctx.block_tables, ctx.context_lens, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_without_a_compiler_decode_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     cpu_decode.load.cache_clear()

@@ -1,6 +1,6 @@
 """Paged decode attention on a CPU, straight from the paged cache (cpu_decode.cpp), and
 its launcher. The C++ has no PyTorch headers: compiled with the system's C++ compiler at
-first use in about a second (torch.utils.cpp_extension would take a minute), for this
+first use in a few seconds (torch.utils.cpp_extension would take a minute), for this
 CPU (-march=native), cached under ~/.cache/nanovllm keyed by the source, the flags and
 the CPU, and loaded with ctypes. Its OpenMP threads are PyTorch's own: the library
 links libgomp.so.1, which the process already holds, loaded by libtorch.
@@ -64,7 +64,7 @@ def paged_decode(library: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), n, num_heads, k_cache.shape[2],
         head_dim, k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16),
         torch.get_num_threads())
-    return out.to(q.dtype)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
