@@ -124,7 +124,7 @@ def test_native_decode_reads_a_bfloat16_cache_as_the_reference_does():
                                             (128, 4), (40, 3), (16, 2), (32, 4)])
 def test_native_decode_over_block_sizes_head_dims_and_groups(dtype, block_size, head_dim, group):
     """The kernel's paths: head_dims it compiles for (16..256) and any other (40: a 16-wide
-    chunk and a tail), heads two at a time and an odd one left, 4-row tiles and the rows
+    chunk and a tail), heads two at a time and an odd one left, 8-row tiles and the rows
     left, one and several blocks a sequence; a bfloat16 cache read exactly (float32 q)."""
     lengths = [1, 3, 16, 17, 300]
     k_cache, v_cache, tables, ctx = paged_batch(lengths, block_size=block_size, num_kv_heads=2,
