@@ -15,7 +15,7 @@ import torch
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.compilation import HotOp
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
 from nanovllm.sampling.sampler import softmax_race
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 3072, 16, 8, 128, 151936
@@ -29,7 +29,7 @@ def op_inputs(tokens: int, dtype: torch.dtype, device: str) -> dict[str, tuple[H
         return torch.randn(*shape, dtype=dt, device=device)
 
     weight, eps = randn(HIDDEN), 1e-6
-    cache = RotaryEmbedding(HEAD_DIM, 4096, 1e6).cos_sin_cache.to(device)
+    cache = get_rope(HEAD_DIM, 4096, {"rope_theta": 1e6}).cos_sin_cache.to(device)
     positions = torch.randint(0, 4096, (tokens,), device=device)
     return {
         "rms_norm": (rms_norm, (randn(tokens, HIDDEN), weight, eps)),

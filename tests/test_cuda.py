@@ -14,7 +14,7 @@ from nanovllm.core import PENDING
 from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
 from nanovllm.sampling.sampler import softmax_race
 from nanovllm.runner.cuda_graph import capture_batch_sizes
 
@@ -226,7 +226,7 @@ def op_cases(dtype: torch.dtype) -> list[tuple]:
     def randn(*shape):
         return torch.randn(*shape, generator=g).to("cuda", dtype)
 
-    cache = RotaryEmbedding(128, 4096, 1e6).cos_sin_cache.cuda()
+    cache = get_rope(128, 4096, {"rope_theta": 1e6}).cos_sin_cache.cuda()
     positions = torch.randint(0, 4096, (37,), generator=g).cuda()
     return [(rms_norm, (randn(37, 1024), randn(1024), 1e-6)),
             (rms_norm, (randn(37, 16, 128), randn(128), 1e-6)),

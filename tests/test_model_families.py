@@ -300,7 +300,8 @@ def test_llama3_rope_equals_transformers_past_the_original_context():
     ours = get_rope(16, 512, rope_parameters(config)).cos_sin_cache
     positions = torch.arange(512)[None]  # 16 times original_max_position_embeddings
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
-    assert torch.equal(ours, torch.cat([cos[0, :, :8], sin[0, :, :8]], dim=-1))
+    assert torch.equal(ours[:, 0], cos[0])  # [512, 2, 16]: cos, then sin with its first half negated
+    assert torch.equal(ours[:, 1], torch.cat([-sin[0, :, :8], sin[0, :, 8:]], dim=-1))
 
 
 def test_llama3_rope_without_its_parameters_is_a_value_error_naming_them():

@@ -1,6 +1,6 @@
 """Rotary position embedding ("rotate half", as Qwen, Llama and Mistral): inv_freq[i] =
 rope_theta ** (-2i / head_dim), or Llama 3.1's scaling of it (`llama3`). Layers with the same
-RoPE share one [max_position, head_dim] cos/sin cache (Qwen3's: 20 MiB)."""
+RoPE share one [max_position, 2, head_dim] cos/sin cache (Qwen3's: 40 MiB)."""
 import json
 import math
 import weakref
@@ -20,7 +20,7 @@ _CACHES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueD
 class RotaryEmbedding(nn.Module):
     def __init__(self, cos_sin_cache: torch.Tensor):
         super().__init__()
-        # [max_position, head_dim]: cos | sin, each [max_position, head_dim // 2]
+        # [max_position, 2, head_dim]: (cos | cos) and (-sin | sin), each half head_dim // 2 wide
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self._fn = apply_rotary_emb.select()
 
@@ -33,9 +33,12 @@ class RotaryEmbedding(nn.Module):
 @HotOp
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
-    x1, x2 = torch.cat((q, k), dim=1).chunk(2, dim=-1)  # q and k as one: half the small ops
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x * (cos | cos) + (x2 | x1) * (-sin | sin) = (x1 cos - x2 sin | x2 cos + x1 sin), rounded as
+    transformers' rotate_half; q and k as one, whole heads wide: a third of the ops' time."""
+    cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(2).unbind(1)  # [n, 1, head_dim]
+    x = torch.cat((q, k), dim=1)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((x2, x1), dim=-1).mul_(sin).add_(x * cos)
     return rotated.split((q.shape[1], k.shape[1]), dim=1)
 
 
@@ -57,7 +60,9 @@ def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryE
     if (cache := _CACHES.get(key)) is None:
         inv_freq = _INV_FREQ[rope_type](head_dim, rope_parameters)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
-        cache = _CACHES[key] = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
+        cache = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+        _CACHES[key] = cache
     return RotaryEmbedding(cache)
 
 
