@@ -33,8 +33,7 @@ class RotaryEmbedding(nn.Module):
 @HotOp
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x * (cos | cos) + (x2 | x1) * (-sin | sin) = (x1 cos - x2 sin | x2 cos + x1 sin), rounded as
-    transformers' rotate_half; q and k as one, whole heads wide: a third of the ops' time."""
+    """q and k as one: x * (cos | cos) + (x2 | x1) * (-sin | sin), rounded as transformers'."""
     cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(2).unbind(1)  # [n, 1, head_dim]
     x = torch.cat((q, k), dim=1)
     x1, x2 = x.chunk(2, dim=-1)
@@ -61,8 +60,7 @@ def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryE
         inv_freq = _INV_FREQ[rope_type](head_dim, rope_parameters)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
-        cache = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
-        _CACHES[key] = cache
+        cache = _CACHES[key] = torch.stack((torch.cat((cos, cos), 1), torch.cat((-sin, sin), 1)), 1)
     return RotaryEmbedding(cache)
 
 
