@@ -63,17 +63,19 @@ def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
     return inverse_cdf_index(probs, u)
 
 
-CDF_CHUNK = 512          # tokens a chunk of inverse_cdf_index's two levels
-TWO_LEVEL_MIN = 2 ** 19  # [B, vocab] elements from which two levels cost less than one
-SUM_BLOCK = 2 ** 20      # float32 elements a call turns into float64 chunk sums (in cache)
+CDF_CHUNK = 512            # tokens a chunk of inverse_cdf_index's two levels
+# Where two levels cost less than one (AMD EPYC, 1-2 threads): from 2^20 [B, vocab] elements
+# and 32 chunks a row. Vocab 4096 (8 chunks) lost at 128-512 rows: 0.87 vs 1.20 ms at 128.
+TWO_LEVEL_MIN, TWO_LEVEL_MIN_CHUNKS = 2 ** 20, 32
+SUM_BLOCK = 2 ** 20        # float32 elements a call turns into float64 chunk sums (in cache)
 
 
 def inverse_cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[B, vocab] weights >= 0, [B, 1] float64 u in (0, 1] -> [B] the first token whose float64
     CDF reaches u * total: each token's step is its weight, so a weight-0 one is never chosen.
-    Below TWO_LEVEL_MIN elements (or 4 chunks a row) one cumsum; above, two_level_index, the
-    same token up to float64 rounding without a float64 cumsum of every token."""
-    if probs.numel() < TWO_LEVEL_MIN or probs.shape[1] < 4 * CDF_CHUNK:
+    Below TWO_LEVEL_MIN elements or TWO_LEVEL_MIN_CHUNKS a row one cumsum; else two_level_index,
+    the same token up to float64 rounding without a float64 cumsum of every token."""
+    if probs.numel() < TWO_LEVEL_MIN or probs.shape[1] < TWO_LEVEL_MIN_CHUNKS * CDF_CHUNK:
         cdf = probs.cumsum(-1, dtype=torch.float64)
         return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
     return two_level_index(probs, u)

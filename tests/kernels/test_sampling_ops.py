@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from nanovllm.kernels import sampling_ops
 from nanovllm.kernels.sampling_ops import (CDF_CHUNK, TWO_LEVEL_MIN, inverse_cdf,
                                            inverse_cdf_index, two_level_index)
 
@@ -107,10 +108,12 @@ def test_targets_at_chunk_edges_land_beside_them_never_on_a_zero():
         assert_on_target(w[rows], u, two_level_index(w[rows], u, size))
 
 
-def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks():
+def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(monkeypatch):
     """Mass on chunk edges (the first and last token of chunks 0 and 1, the tail's first, the
     vocab's last but one), spread evenly over chunk 3, every other token -inf: chunk 2 and
-    the vocab's last token among them. Enough rows that inverse_cdf takes the two levels."""
+    the vocab's last token among them. Enough rows and, with the chunks a row it takes
+    lowered to 4 (a real vocabulary's rows would be too large for a test), the two levels."""
+    monkeypatch.setattr(sampling_ops, "TWO_LEVEL_MIN_CHUNKS", 4)
     vocab = 4 * C + 77
     mass = {0: 0.2, C - 1: 0.15, C: 0.15, 2 * C - 1: 0.1, 4 * C: 0.1, vocab - 2: 0.2}
     n = 12_000
