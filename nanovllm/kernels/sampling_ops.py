@@ -65,7 +65,8 @@ def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
 
 CDF_CHUNK = 512            # tokens a chunk of inverse_cdf_index's two levels
 # Where two levels cost less than one (AMD EPYC, 1-2 threads): from 2^20 [B, vocab] elements
-# and 32 chunks a row. Vocab 4096 (8 chunks) lost at 128-512 rows: 0.87 vs 1.20 ms at 128.
+# and 32 chunks a row. Vocab 4096 (8 chunks) lost at 128-256 rows (0.87 vs 1.20 ms at 128),
+# about even at 512.
 TWO_LEVEL_MIN, TWO_LEVEL_MIN_CHUNKS = 2 ** 20, 32
 SUM_BLOCK = 2 ** 20        # float32 elements a call turns into float64 chunk sums (in cache)
 
