@@ -119,8 +119,8 @@ class LLMEngine:
             previous, self.in_flight, accepted = self.in_flight, None, []
             if previous is not None and (not seqs or needs_host_tokens(seqs)):
                 accepted, previous = self._accept(*previous), None
-            num_decode = sum(1 for seq in seqs if not seq.is_prefill)
-            num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
+            num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
+            num_prefill = sum(seq.num_scheduled_tokens for seq in seqs[num_decode:])  # rows first
             if seqs:  # async: only queued on the device, its tokens read by the next step
                 out = (self.model_runner.execute_model(seqs) if self.config.async_scheduling
                        else self.model_runner.run(seqs))
@@ -136,11 +136,12 @@ class LLMEngine:
             self.in_flight = None
             self.scheduler.abort_all()
             raise
+        # tuple.__new__: what NewToken._make does, without its Python frame (3x faster)
+        new_tokens = [tuple.__new__(NewToken, (seq.request_id, seq.index, seq.last_token,
+                                               seq.logprobs[-1] if seq.logprobs else None))
+                      for seq in accepted]
         return StepOutput([self._completion_output(seq) for seq in accepted if seq.is_finished],
-                          num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
-                          new_tokens=[NewToken._make((seq.request_id, seq.index, seq.last_token,
-                                                      seq.logprobs[-1] if seq.logprobs else None))
-                                      for seq in accepted])  # _make: faster than NewToken(...)
+                          num_prefill, num_decode, new_tokens)
 
     def _accept(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
         """Read a launched step's tokens into its sequences; those that took one."""

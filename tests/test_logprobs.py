@@ -142,7 +142,7 @@ def test_logprobs_with_tensor_parallelism_are_gathered_on_rank_0(path):
 
 def chunk(seq: Sequence, start: int, n: int) -> Sequence:
     seq.num_cached_tokens, seq.num_scheduled_tokens = start, n
-    seq.block_table = list(range(seq.num_blocks))
+    seq.block_table.extend(range(seq.num_blocks))
     return seq
 
 

@@ -30,7 +30,7 @@ def test_a_stop_token_id_ends_the_sequence_and_frees_its_blocks_that_step():
         finished = step(sch, runner)
     assert finished == [a] and a.finish_reason is FinishReason.STOP
     assert a.completion_token_ids == [1003, 1004, 1005]  # the stop token is kept
-    assert a.block_table == [] and a not in sch.running
+    assert not a.block_table and a not in sch.running
     bm = sch.block_manager
     assert bm.num_blocks - bm.num_free_blocks == len(b.block_table)
 
@@ -83,7 +83,7 @@ def test_a_stop_string_ends_a_running_sequence_that_step_and_frees_its_blocks():
         assert step(sch, runner) == []
     assert step(sch, runner) == [a]
     assert a.finish_reason is FinishReason.STOP and a.stop_text == "1003 1004 1005"
-    assert a.block_table == [] and list(sch.running) == [b] and sch.stop_strings.discarded == [a.seq_id]
+    assert not a.block_table and list(sch.running) == [b] and sch.stop_strings.discarded == [a.seq_id]
     run_until_done(sch, runner)
     assert b.num_completion_tokens == 20 and a.completion_token_ids[-1] == 1006
 

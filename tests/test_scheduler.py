@@ -153,7 +153,7 @@ def test_preemption_picks_the_newest_running_sequence_and_it_completes_later():
         step(sch, runner)  # decode len 6..8, still 2 blocks each
     # len 9 needs a third block each: b (newest) is preempted to make room for a.
     step(sch, runner)
-    assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.is_prefill
+    assert b.status == SequenceStatus.WAITING and not b.block_table and b.is_prefill
     assert sch.waiting[0] is b and list(sch.running) == [a]
     run_until_done(sch, runner)
     assert a.completion_token_ids == list(range(1004, 1011))

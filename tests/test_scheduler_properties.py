@@ -88,7 +88,7 @@ def check_step(scheduler: Scheduler, batch_seqs: list[Sequence], num_tokens: int
     assert len(scheduler.running) <= w["max_num_seqs"]
     for seq in all_seqs:
         if seq.status != SequenceStatus.RUNNING:
-            assert seq.block_table == [], f"sequence {seq.seq_id} holds blocks while {seq.status}"
+            assert not seq.block_table, f"sequence {seq.seq_id} holds blocks while {seq.status}"
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -267,9 +267,11 @@ def test_a_steps_inputs_reach_a_worker_intact_and_hold_no_sequence():
     from nanovllm.runner.step_inputs import prepare_inputs
 
     decoding = Sequence(list(range(20)), None, BLOCK)
-    decoding.block_table, decoding.is_prefill, decoding.num_scheduled_tokens = [3, 1], False, 1
+    decoding.block_table.extend([3, 1])
+    decoding.is_prefill, decoding.num_scheduled_tokens = False, 1
     prefilling = Sequence(list(range(40, 70)), None, BLOCK)
-    prefilling.block_table, prefilling.num_cached_tokens = [5, 0], BLOCK  # a cached prefix
+    prefilling.block_table.extend([5, 0])
+    prefilling.num_cached_tokens = BLOCK  # a cached prefix
     prefilling.num_scheduled_tokens = 30 - BLOCK
     inputs = prepare_inputs([decoding, prefilling], BLOCK)
     message = io.BytesIO()

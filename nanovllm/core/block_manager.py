@@ -79,7 +79,7 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
         new_blocks = [self._take_free_block() for _ in range(seq.num_blocks - len(cached_blocks))]
-        seq.block_table = cached_blocks + new_blocks
+        seq.block_table = array("i", cached_blocks + new_blocks)
         # Even a fully cached prompt computes its last token: its logits are needed.
         seq.num_cached_tokens = min(len(cached_blocks) * self.block_size, len(seq) - 1)
         if seq.num_prefix_cached_tokens < 0:  # the first admission's hits, as vLLM reports
@@ -93,7 +93,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-        seq.block_table = []
+        seq.block_table = array("i")
         seq.num_cached_tokens = 0
 
     def append_slot(self, seq: Sequence) -> bool:

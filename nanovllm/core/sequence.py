@@ -6,6 +6,7 @@
 
 A step computes `num_scheduled_tokens` tokens from `num_cached_tokens` on (KV from the
 prefix cache or an earlier step); a prefill chunk that ends at `num_tokens` yields a token."""
+from array import array
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
@@ -53,7 +54,7 @@ class Sequence:
         self.num_tokens = self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = self.num_scheduled_tokens = 0
         self.is_prefill = True  # until the whole sequence has KV in the cache; again if preempted
-        self.block_table: list[int] = []
+        self.block_table = array("i")  # C ints: a step's tables are their bytes joined
         self.block_size = block_size
         self.sampling_params = sampling_params
         p = sampling_params or SamplingParams()  # None: a warmup batch's sequence

@@ -199,7 +199,7 @@ class ModelRunner:
         for seq in seqs:
             seq.num_scheduled_tokens = max_len
             # Slots are computed but never written: there is no KV cache yet.
-            seq.block_table = [0] * seq.num_blocks
+            seq.block_table.extend([0] * seq.num_blocks)
         self.forward(prepare_inputs(seqs, self.block_size))
         if self.rank == 0:
             self._warmup_sampler()
