@@ -24,6 +24,9 @@ def test_wheel_contains_and_imports_every_module(tmp_path):
             f"    assert module.__file__.startswith({str(target)!r}), module.__file__\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path,
                    env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    kernels = ROOT / "nanovllm" / "kernels"  # the C++ sources, compiled at first use
+    for source in [*kernels.glob("*.cpp"), *kernels.glob("*.h")]:
+        assert (target / "nanovllm" / "kernels" / source.name).is_file(), source.name
     # `nanovllm serve ...`: the console script the wheel installs
     entry_points = next(target.glob("nano_vllm-*.dist-info")) / "entry_points.txt"
     assert "nanovllm = nanovllm.entrypoints.cli:main" in entry_points.read_text()

@@ -41,12 +41,14 @@ def _unavailable(source: Path, reason: str, fallback: str) -> None:
 
 
 def _build_key(source: Path, compiler: str, flags: tuple[str, ...]) -> str:
-    """Source, compiler, flags and this CPU (-march=native code may not run on another)."""
+    """Source (and the headers beside it, which it may include), compiler, flags and this
+    CPU (-march=native code may not run on another)."""
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = "".join(l for l in lines if l.startswith(("model name", "flags")))[:4096]
-    text = "\n".join((source.read_text(), compiler, *flags, cpu))
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    text = "\n".join((source.read_text(), *headers, compiler, *flags, cpu))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

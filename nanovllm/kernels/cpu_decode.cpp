@@ -30,6 +30,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpu_exp.h"  // exp_nonpositive
+
 namespace {
 
 // Forced: GCC declined to inline the tile functions, and a call's fixed cost, paid once a
@@ -103,24 +105,6 @@ ALWAYS_INLINE void lane_sums(const vec* acc, float* sums) {
     const half_vec s = fold(acc[j]);
     sums[j] = (s[0] + s[2]) + (s[1] + s[3]);
   }
-}
-
-// exp(x) for the softmax's x = score - max <= 0 in plain arithmetic, so that its loop
-// vectorizes (libm's expf, a call a score, was a third of the kernel's time): Cephes' expf,
-// 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (Cody-Waite); within 2 ulp; exp(-87) ~ 1.6e-38 below.
-inline float exp_nonpositive(float x) {
-  const float c = x < -87.f ? -87.f : x;
-  const float n = static_cast<float>(static_cast<int32_t>(c * 1.44269504f - 0.5f));  // c <= 0
-  const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126: a normal float
-  return p * __builtin_bit_cast(float, bits);
 }
 
 struct Shape {

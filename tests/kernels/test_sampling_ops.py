@@ -1,9 +1,11 @@
-"""The CPU's inverse-CDF draw (nanovllm/kernels/sampling_ops.py). Oracles: searchsorted on
-the float64 CDF of the whole row (the one-level search the two levels replace), for given
-uniforms; and the softmax written out in Python, for inverse_cdf's draws (Pearson's
-chi-square under the 0.999 quantile, fixed seeds), at vocabularies of several chunks with
-the mass on the tokens at chunk edges and probability-0 tokens beside them. On the CPU;
-this folder also runs under the Triton interpreter, which these tests do not use."""
+"""The CPU's inverse-CDF draw (nanovllm/kernels/sampling_ops.py): torch's (the two levels of
+inverse_cdf_index) and the fused C++ one (cpu_sample.cpp). Oracles: searchsorted on the
+float64 CDF of the whole row (the one-level search the two levels replace), for given
+uniforms; for the C++ draw, that CDF of the softmax computed in float64; and the softmax
+written out in Python, for inverse_cdf's draws (Pearson's chi-square under the 0.999
+quantile, fixed seeds), at vocabularies of several chunks with the mass on the tokens at
+chunk edges and probability-0 tokens beside them. On the CPU; this folder also runs under
+the Triton interpreter, which these tests do not use."""
 import math
 
 import pytest
@@ -108,11 +110,24 @@ def test_targets_at_chunk_edges_land_beside_them_never_on_a_zero():
         assert_on_target(w[rows], u, two_level_index(w[rows], u, size))
 
 
-def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(monkeypatch):
+@pytest.fixture(params=["native", "torch"])
+def draw_path(request, monkeypatch):
+    """inverse_cdf through cpu_sample.cpp, or (its library taken away) through torch."""
+    if request.param == "native":
+        if sampling_ops.native_sampler() is None:
+            pytest.skip("cpu_sample.cpp does not build here (no C++ compiler)")
+    else:
+        monkeypatch.setattr(sampling_ops, "native_sampler", lambda: None)
+    return request.param
+
+
+def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(monkeypatch,
+                                                                           draw_path):
     """Mass on chunk edges (the first and last token of chunks 0 and 1, the tail's first, the
     vocab's last but one), spread evenly over chunk 3, every other token -inf: chunk 2 and
     the vocab's last token among them. Enough rows and, with the chunks a row it takes
-    lowered to 4 (a real vocabulary's rows would be too large for a test), the two levels."""
+    lowered to 4 (a real vocabulary's rows would be too large for a test), torch's two
+    levels; the C++ draw's chunks (64 tokens) are smaller: these are edges of its too."""
     monkeypatch.setattr(sampling_ops, "TWO_LEVEL_MIN_CHUNKS", 4)
     vocab = 4 * C + 77
     mass = {0: 0.2, C - 1: 0.15, C: 0.15, 2 * C - 1: 0.1, 4 * C: 0.1, vocab - 2: 0.2}
@@ -138,9 +153,12 @@ def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(monke
 
 
 @pytest.mark.parametrize("rows,vocab", [(256, 512), (24, 151936)])
-def test_a_seed_reproduces_the_draw_of_one_uniform_a_row(rows, vocab):
+def test_a_seed_reproduces_the_draw_of_one_uniform_a_row(rows, vocab, draw_path):
     """inverse_cdf = the full-CDF search of one 1 - torch.rand a row, at the tests' models'
-    vocab (one level) and Qwen's (two), with filtered-out tokens; nothing else drawn."""
+    vocab (torch: one level) and Qwen's (two), with filtered-out tokens; nothing else drawn.
+    torch's draw is that search of its float32 softmax token for token; the C++ one's
+    weights are its own float32 exp, so it is held to the float64 softmax's CDF up to that
+    exp's rounding (native_on_target)."""
     gen = torch.Generator().manual_seed(rows)
     logits = torch.randn(rows, vocab, generator=gen) * 3
     logits[torch.rand(rows, vocab, generator=gen) < 0.5] = float("-inf")
@@ -151,6 +169,97 @@ def test_a_seed_reproduces_the_draw_of_one_uniform_a_row(rows, vocab):
     u = 1 - torch.rand(rows, 1, dtype=F64)
     assert torch.equal(after, torch.rand(1))
     probs = torch.softmax(logits, -1)
-    assert torch.equal(drawn, full_cdf_index(probs, u))
-    assert torch.equal(drawn, inverse_cdf_index(probs, u))
     assert (probs.gather(1, drawn[:, None]) > 0).all()
+    if draw_path == "torch":
+        assert torch.equal(drawn, full_cdf_index(probs, u))
+        assert torch.equal(drawn, inverse_cdf_index(probs, u))
+    else:
+        native_on_target(logits, u, drawn)
+
+
+# -- the C++ draw (cpu_sample.cpp), against the float64 softmax ---------------------------
+
+NATIVE_CHUNK = 64  # cpu_sample.cpp's CHUNK: the edges the cases put weight on and around
+# Its weights are float32 exps (within 2 ulp, cpu_exp.h) of the float32 logit - max: each step
+# of the CDF it walks is within 2.4e-7 of exp's float64 value relative, so the CDF itself
+# within 2.4e-7 of the total.
+NATIVE_TOLERANCE = 3e-7
+
+
+def float64_weights(logits: torch.Tensor) -> torch.Tensor:
+    """exp(logit - max) in float64, of the float32 difference (the softmax's, the kernel's)."""
+    return (logits - logits.amax(-1, keepdim=True)).double().exp()
+
+
+def native_draw(logits: torch.Tensor, u: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    library = sampling_ops.native_sampler()
+    if library is None:
+        pytest.skip("cpu_sample.cpp does not build here (no C++ compiler)")
+    logits, out = logits.contiguous(), torch.empty(len(logits), dtype=torch.int64)
+    library.nanovllm_sample(logits.data_ptr(), *logits.shape, u.contiguous().data_ptr(),
+                            out.data_ptr(), threads)
+    return out
+
+
+def native_on_target(logits: torch.Tensor, u: torch.Tensor, got: torch.Tensor):
+    """Not -inf, and its step of the float64 CDF of float64_weights holds u * total up to
+    NATIVE_TOLERANCE of the total."""
+    assert (logits.gather(1, got[:, None]) > float("-inf")).all()
+    cdf = float64_weights(logits).cumsum(-1)
+    target, tol = u * cdf[:, -1:], NATIVE_TOLERANCE * cdf[:, -1:]
+    got = got[:, None]
+    below = torch.where(got > 0, cdf.gather(1, (got - 1).clamp_min(0)), 0)
+    assert (below <= target + tol).all() and (cdf.gather(1, got) >= target - tol).all()
+
+
+@pytest.mark.parametrize("vocab", [NATIVE_CHUNK, 4 * NATIVE_CHUNK + 17, 151936, 1, 5])
+@pytest.mark.parametrize("spread", [False, True])
+def test_native_draw_is_on_the_float64_softmax_target_never_on_minus_inf(vocab, spread):
+    """Rows with -inf at every chunk edge, a whole chunk -inf, the tail, all but one edge
+    token (edge_weights' rows, as logits log w); u = 1 (the last finite token) and 2**-53
+    (the first) among them; logits spread over 17 decades or within one."""
+    gen = torch.Generator().manual_seed(vocab + spread)
+    rows = 48 if vocab > 100_000 else 400
+    w = edge_weights(rows, vocab, NATIVE_CHUNK, gen, spread)
+    w[(w == 0).all(-1), -1] = 1.0  # a row keeps one token (the sampler's filters keep one)
+    logits, u = w.log(), uniforms(rows, gen)
+    got = native_draw(logits, u)
+    native_on_target(logits, u, got)
+    top = (logits == logits.amax(-1, keepdim=True)).float().argmax(-1)
+    finite = (logits > float("-inf")).sum(-1)
+    one = finite == 1
+    assert torch.equal(got[one], top[one])  # a row of one finite token draws it
+    if not spread:  # u = 1: the last token of weight > 0 (spread, one below float64's ulp
+        last = logits.size(1) - 1 - (logits.flip(-1) > float("-inf")).float().argmax(-1)
+        at_top = u[:, 0] == 1.0  # of the total may be passed over, as by any float64 CDF)
+        assert torch.equal(got[at_top], last[at_top])
+
+
+def test_native_draw_beside_each_chunk_edge():
+    """u * total a float64 ulp and 1e-6 of the total either side of the CDF at every chunk's
+    end: 1e-6 away (beyond the exp's rounding) only the token on its side of the edge."""
+    vocab, size = 6 * NATIVE_CHUNK + 40, NATIVE_CHUNK
+    logits = edge_weights(8, vocab, size, torch.Generator().manual_seed(3)).log()
+    cdf = float64_weights(logits).cumsum(-1)
+    rows, us, sides = [], [], []
+    for r in range(len(logits)):
+        for edge in range(size - 1, vocab - 1, size):
+            if not (cdf[r, edge] > 0 and cdf[r, edge] < cdf[r, -1]):
+                continue  # nothing before or nothing after the edge: no two sides
+            u = (cdf[r, edge] / cdf[r, -1]).item()
+            for x_, side in ((u - 1e-6, -1), (math.nextafter(u, 0), 0), (u, 0),
+                             (math.nextafter(u, 2), 0), (u + 1e-6, 1)):
+                rows.append(r), us.append(x_), sides.append((side, edge))
+    u = torch.tensor(us, dtype=F64)[:, None]
+    got = native_draw(logits[rows], u)
+    native_on_target(logits[rows], u, got)
+    for token, (side, edge) in zip(got.tolist(), sides):
+        assert side == 0 or (token <= edge) == (side < 0), (token, side, edge)
+
+
+def test_native_draw_is_the_same_on_one_and_two_threads():
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(67, 3000, generator=gen) * 4
+    logits[torch.rand(67, 3000, generator=gen) < 0.3] = float("-inf")
+    u = 1 - torch.rand(67, 1, dtype=F64, generator=gen)
+    assert torch.equal(native_draw(logits, u, 1), native_draw(logits, u, 2))
