@@ -60,12 +60,12 @@ def softmax_race(logits: torch.Tensor) -> torch.Tensor:
 
 
 def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
-    """softmax_race's draw on a CPU, 3-5x faster: one uniform a row from torch.rand (a
-    manual_seed reproduces it), searched in a float64 CDF of the softmax (float64 keeps each
-    token's probability as its step; a float32 sum over a real vocabulary would round tiny
-    ones to nothing). A probability-0 token (filtered to -inf) is never drawn. Fused in
-    cpu_sample.cpp where it builds (2-3x faster again: nothing [B, vocab] written), else
-    torch's softmax and inverse_cdf_index."""
+    """softmax_race's draw on a CPU: one uniform a row from torch.rand (a manual_seed
+    reproduces it), searched in a float64 CDF of the softmax (float64 keeps each token's
+    probability as its step; a float32 sum over a real vocabulary would round tiny ones to
+    nothing). A probability-0 token (filtered to -inf) is never drawn. Fused in
+    cpu_sample.cpp where it builds (nothing [B, vocab] written: 2-3x faster than torch's
+    softmax and cumsum, themselves 3-5x faster than the race's noise), else those."""
     u = 1 - torch.rand(len(logits), 1, dtype=torch.float64)  # (0, 1]: never a p = 0 token's CDF
     library = native_sampler() if logits.dtype == torch.float32 else None
     if library is None:
@@ -90,50 +90,11 @@ def native_sampler() -> ctypes.CDLL | None:
     return library
 
 
-CDF_CHUNK = 512            # tokens a chunk of inverse_cdf_index's two levels
-# Where two levels cost less than one (AMD EPYC, 1-2 threads): from 2^20 [B, vocab] elements
-# and 32 chunks a row. Vocab 4096 (8 chunks) lost at 128-256 rows (0.87 vs 1.20 ms at 128),
-# about even at 512.
-TWO_LEVEL_MIN, TWO_LEVEL_MIN_CHUNKS = 2 ** 20, 32
-SUM_BLOCK = 2 ** 20        # float32 elements a call turns into float64 chunk sums (in cache)
-
-
 def inverse_cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[B, vocab] weights >= 0, [B, 1] float64 u in (0, 1] -> [B] the first token whose float64
-    CDF reaches u * total: each token's step is its weight, so a weight-0 one is never chosen.
-    Below TWO_LEVEL_MIN elements or TWO_LEVEL_MIN_CHUNKS a row one cumsum; else two_level_index,
-    the same token up to float64 rounding without a float64 cumsum of every token."""
-    if probs.numel() < TWO_LEVEL_MIN or probs.shape[1] < TWO_LEVEL_MIN_CHUNKS * CDF_CHUNK:
-        cdf = probs.cumsum(-1, dtype=torch.float64)
-        return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
-    return two_level_index(probs, u)
-
-
-def two_level_index(probs: torch.Tensor, u: torch.Tensor, size: int = CDF_CHUNK) -> torch.Tensor:
-    """inverse_cdf_index in two levels: float64 sums of chunks of `size` tokens (the last may
-    be shorter) pick the chunk where u * total falls, a float64 cumsum of that chunk alone
-    the token. Only the chunk sums read every token (no [B, vocab] float64 is written)."""
-    rows, vocab = probs.shape
-    full = vocab // size  # chunk k: tokens [k size, (k + 1) size)
-    sums = torch.empty(rows, -(-vocab // size), dtype=torch.float64, device=probs.device)
-    block = max(1, SUM_BLOCK // vocab)  # sum(dtype=float64) converts its input first: a few
-    for r in range(0, rows if full else 0, block):  # rows at a time stay in cache, all do not
-        torch.sum(probs[r:r + block, :full * size].view(-1, full, size), -1,
-                  dtype=torch.float64, out=sums[r:r + block, :full])
-    if full < sums.shape[1]:  # the shorter last chunk: a view of the rows' ends, no copy
-        torch.sum(probs[:, full * size:], -1, dtype=torch.float64, out=sums[:, full])
-    chunk_cdf = sums.cumsum_(-1)
-    target = u * chunk_cdf[:, -1:]  # > 0, and at most the last entry: a chunk reaches it
-    chunk = torch.searchsorted(chunk_cdf, target)  # [B, 1]: CDF before it < target, sum > 0
-    before = chunk_cdf.gather(1, (chunk - 1).clamp_min(0)).masked_fill_(chunk == 0, 0)
-    ids = chunk * size + torch.arange(size, device=probs.device)  # the chunk's tokens
-    inner = probs.gather(1, ids.clamp_max(vocab - 1)).masked_fill_(ids >= vocab, 0)
-    inner = inner.cumsum(-1, dtype=torch.float64)
-    # What is left of the target is in (0, the chunk's sum], and the chunk's cumsum may end a
-    # rounding below that sum: clamped to that end it lands on the chunk's last token of
-    # weight > 0, and being > 0 never on a zero step before its first.
-    rest = torch.minimum(target - before, inner[:, -1:])
-    return (chunk * size + torch.searchsorted(inner, rest)).squeeze(1)
+    CDF reaches u * total: each token's step is its weight, so a weight-0 one is never chosen."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
 
 
 def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:

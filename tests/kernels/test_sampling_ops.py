@@ -1,23 +1,26 @@
-"""The CPU's inverse-CDF draw (nanovllm/kernels/sampling_ops.py): torch's (the two levels of
-inverse_cdf_index) and the fused C++ one (cpu_sample.cpp). Oracles: searchsorted on the
-float64 CDF of the whole row (the one-level search the two levels replace), for given
-uniforms; for the C++ draw, that CDF of the softmax computed in float64; and the softmax
-written out in Python, for inverse_cdf's draws (Pearson's chi-square under the 0.999
-quantile, fixed seeds), at vocabularies of several chunks with the mass on the tokens at
-chunk edges and probability-0 tokens beside them. On the CPU; this folder also runs under
-the Triton interpreter, which these tests do not use."""
+"""The CPU's inverse-CDF draw (nanovllm/kernels/sampling_ops.py): fused in C++
+(cpu_sample.cpp), or torch's softmax and float64 cumsum where that does not build. Oracles:
+the float64 CDF of exp(logit - max) over the whole row, for given uniforms (the C++ draw is
+held to it up to its float32 exp's rounding, torch's to the search of its softmax token for
+token); and the softmax written out in Python, for inverse_cdf's draws (Pearson's chi-square
+under the 0.999 quantile, fixed seeds). The rows put weight, zeros and -inf at the C++
+draw's chunk edges. On the CPU; this folder also runs under the Triton interpreter, which
+these tests do not use."""
 import math
 
 import pytest
 import torch
 
 from nanovllm.kernels import sampling_ops
-from nanovllm.kernels.sampling_ops import (CDF_CHUNK, TWO_LEVEL_MIN, inverse_cdf,
-                                           inverse_cdf_index, two_level_index)
+from nanovllm.kernels.sampling_ops import inverse_cdf
 
 F64 = torch.float64
-C = CDF_CHUNK
+C = 64  # cpu_sample.cpp's CHUNK: the edges the cases put weight on and around
 CHI2_999 = {7: 24.322}  # the 0.999 quantile of chi-square, 7 degrees of freedom
+# The C++ draw's weights are float32 exps (within 2 ulp, cpu_exp.h) of the float32 logit - max:
+# each step of the CDF it walks is within 2.4e-7 of exp's float64 value relative, so the CDF
+# itself within 2.4e-7 of the total.
+NATIVE_TOLERANCE = 3e-7
 
 
 def full_cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -54,62 +57,6 @@ def uniforms(rows: int, gen: torch.Generator) -> torch.Tensor:
     return u
 
 
-def assert_on_target(w: torch.Tensor, u: torch.Tensor, got: torch.Tensor):
-    """Of weight > 0, and its step of the full float64 CDF holds u * total up to 1e-12 of the
-    total: the token that CDF picks up to float64 rounding (the rounding is ~1e-16)."""
-    got = got[:, None]
-    assert (w.gather(1, got) > 0).all()
-    cdf = w.double().cumsum(-1)
-    target, tol = u * cdf[:, -1:], 1e-12 * cdf[:, -1:]
-    below = torch.where(got > 0, cdf.gather(1, (got - 1).clamp_min(0)), 0)
-    assert (below <= target + tol).all() and (cdf.gather(1, got) >= target - tol).all()
-
-
-CASES = [(4 * C, C), (5 * C + 77, C), (151936, C), (1000, 7), (300, 512)]
-
-
-@pytest.mark.parametrize("vocab,size", CASES)
-def test_two_levels_pick_the_token_the_full_float64_cdf_does(vocab, size):
-    """Exact sums: the two searches agree token for token, u = 1 and 2**-53 included."""
-    gen = torch.Generator().manual_seed(vocab)
-    rows = 48 if vocab > 100_000 else 400
-    w, u = edge_weights(rows, vocab, size, gen), uniforms(rows, gen)
-    got = two_level_index(w, u, size)
-    assert torch.equal(got, full_cdf_index(w, u))
-    assert_on_target(w, u, got)
-
-
-@pytest.mark.parametrize("vocab,size", CASES)
-def test_rounded_sums_still_land_on_the_target_never_on_a_zero(vocab, size):
-    """Sums that round: the chunk's own cumsum may end a little below what the chunk CDF
-    leaves of u * total (with u = 1, in many rows here); the token is then still the one on
-    target and never a weight-0 token after the chunk's last, nor one past the vocab."""
-    gen = torch.Generator().manual_seed(vocab + 1)
-    rows = 48 if vocab > 100_000 else 400
-    w, u = edge_weights(rows, vocab, size, gen, spread=True), uniforms(rows, gen)
-    assert_on_target(w, u, two_level_index(w, u, size))
-
-
-def test_targets_at_chunk_edges_land_beside_them_never_on_a_zero():
-    """u * total on the CDF at each chunk's end, a float64 ulp and 1e-10 of the total either
-    side. Within an ulp the two levels' sums may round otherwise than the full cumsum, so
-    either neighbour of the edge may come out; 1e-10 away only the side it is on (what
-    float32 chunk sums would miss); never a token of weight 0."""
-    vocab, size = 6 * C + 40, C
-    for spread in (False, True):
-        w = edge_weights(8, vocab, size, torch.Generator().manual_seed(3), spread)
-        cdf = w.double().cumsum(-1)
-        rows, us = [], []
-        for r in range(len(w)):
-            for edge in range(size - 1, vocab, size):
-                u = (cdf[r, edge] / cdf[r, -1]).item()
-                for x in (u - 1e-10, math.nextafter(u, 0), u, math.nextafter(u, 2), u + 1e-10):
-                    if 0 < x <= 1:
-                        rows.append(r), us.append(x)
-        u = torch.tensor(us, dtype=F64)[:, None]
-        assert_on_target(w[rows], u, two_level_index(w[rows], u, size))
-
-
 @pytest.fixture(params=["native", "torch"])
 def draw_path(request, monkeypatch):
     """inverse_cdf through cpu_sample.cpp, or (its library taken away) through torch."""
@@ -121,18 +68,13 @@ def draw_path(request, monkeypatch):
     return request.param
 
 
-def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(monkeypatch,
-                                                                           draw_path):
+def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(draw_path):
     """Mass on chunk edges (the first and last token of chunks 0 and 1, the tail's first, the
     vocab's last but one), spread evenly over chunk 3, every other token -inf: chunk 2 and
-    the vocab's last token among them. Enough rows and, with the chunks a row it takes
-    lowered to 4 (a real vocabulary's rows would be too large for a test), torch's two
-    levels; the C++ draw's chunks (64 tokens) are smaller: these are edges of its too."""
-    monkeypatch.setattr(sampling_ops, "TWO_LEVEL_MIN_CHUNKS", 4)
+    the vocab's last token among them."""
     vocab = 4 * C + 77
     mass = {0: 0.2, C - 1: 0.15, C: 0.15, 2 * C - 1: 0.1, 4 * C: 0.1, vocab - 2: 0.2}
     n = 12_000
-    assert n * vocab >= TWO_LEVEL_MIN and vocab >= 4 * C
     logits = torch.full((vocab,), float("-inf"))
     for t, p in mass.items():
         logits[t] = math.log(p)
@@ -155,14 +97,12 @@ def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(monke
 @pytest.mark.parametrize("rows,vocab", [(256, 512), (24, 151936)])
 def test_a_seed_reproduces_the_draw_of_one_uniform_a_row(rows, vocab, draw_path):
     """inverse_cdf = the full-CDF search of one 1 - torch.rand a row, at the tests' models'
-    vocab (torch: one level) and Qwen's (two), with filtered-out tokens; nothing else drawn.
-    torch's draw is that search of its float32 softmax token for token; the C++ one's
-    weights are its own float32 exp, so it is held to the float64 softmax's CDF up to that
-    exp's rounding (native_on_target)."""
+    vocab and Qwen's, with filtered-out tokens; nothing else drawn. torch's draw is that
+    search of its float32 softmax token for token; the C++ one's weights are its own float32
+    exp, so it is held to the float64 CDF up to that exp's rounding (native_on_target)."""
     gen = torch.Generator().manual_seed(rows)
     logits = torch.randn(rows, vocab, generator=gen) * 3
     logits[torch.rand(rows, vocab, generator=gen) < 0.5] = float("-inf")
-    assert (rows * vocab >= TWO_LEVEL_MIN) == (vocab > 512)
     torch.manual_seed(5)
     drawn, after = inverse_cdf(logits.clone()), torch.rand(1)
     torch.manual_seed(5)
@@ -172,19 +112,11 @@ def test_a_seed_reproduces_the_draw_of_one_uniform_a_row(rows, vocab, draw_path)
     assert (probs.gather(1, drawn[:, None]) > 0).all()
     if draw_path == "torch":
         assert torch.equal(drawn, full_cdf_index(probs, u))
-        assert torch.equal(drawn, inverse_cdf_index(probs, u))
     else:
         native_on_target(logits, u, drawn)
 
 
 # -- the C++ draw (cpu_sample.cpp), against the float64 softmax ---------------------------
-
-NATIVE_CHUNK = 64  # cpu_sample.cpp's CHUNK: the edges the cases put weight on and around
-# Its weights are float32 exps (within 2 ulp, cpu_exp.h) of the float32 logit - max: each step
-# of the CDF it walks is within 2.4e-7 of exp's float64 value relative, so the CDF itself
-# within 2.4e-7 of the total.
-NATIVE_TOLERANCE = 3e-7
-
 
 def float64_weights(logits: torch.Tensor) -> torch.Tensor:
     """exp(logit - max) in float64, of the float32 difference (the softmax's, the kernel's)."""
@@ -212,7 +144,7 @@ def native_on_target(logits: torch.Tensor, u: torch.Tensor, got: torch.Tensor):
     assert (below <= target + tol).all() and (cdf.gather(1, got) >= target - tol).all()
 
 
-@pytest.mark.parametrize("vocab", [NATIVE_CHUNK, 4 * NATIVE_CHUNK + 17, 151936, 1, 5])
+@pytest.mark.parametrize("vocab", [C, 4 * C + 17, 151936, 1, 5])
 @pytest.mark.parametrize("spread", [False, True])
 def test_native_draw_is_on_the_float64_softmax_target_never_on_minus_inf(vocab, spread):
     """Rows with -inf at every chunk edge, a whole chunk -inf, the tail, all but one edge
@@ -220,7 +152,7 @@ def test_native_draw_is_on_the_float64_softmax_target_never_on_minus_inf(vocab, 
     (the first) among them; logits spread over 17 decades or within one."""
     gen = torch.Generator().manual_seed(vocab + spread)
     rows = 48 if vocab > 100_000 else 400
-    w = edge_weights(rows, vocab, NATIVE_CHUNK, gen, spread)
+    w = edge_weights(rows, vocab, C, gen, spread)
     w[(w == 0).all(-1), -1] = 1.0  # a row keeps one token (the sampler's filters keep one)
     logits, u = w.log(), uniforms(rows, gen)
     got = native_draw(logits, u)
@@ -238,7 +170,7 @@ def test_native_draw_is_on_the_float64_softmax_target_never_on_minus_inf(vocab, 
 def test_native_draw_beside_each_chunk_edge():
     """u * total a float64 ulp and 1e-6 of the total either side of the CDF at every chunk's
     end: 1e-6 away (beyond the exp's rounding) only the token on its side of the edge."""
-    vocab, size = 6 * NATIVE_CHUNK + 40, NATIVE_CHUNK
+    vocab, size = 6 * C + 40, C
     logits = edge_weights(8, vocab, size, torch.Generator().manual_seed(3)).log()
     cdf = float64_weights(logits).cumsum(-1)
     rows, us, sides = [], [], []
