@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.backend import TorchBackend
 from nanovllm.kernels.torch_attention import DECODE_GROUP_SIZE
-from nanovllm.kernels import cpu_decode
+from nanovllm.kernels import cpu_build, cpu_decode
 
 from conftest import hf_greedy
 
@@ -157,10 +157,10 @@ def test_native_decode_is_the_same_on_two_threads():
 def test_without_a_compiler_decode_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     cpu_decode.load.cache_clear()
-    monkeypatch.setattr(cpu_decode, "_cache_dir", lambda: Path(tempfile.mkdtemp()))
+    monkeypatch.setattr(cpu_build, "_cache_dir", lambda: Path(tempfile.mkdtemp()))
     try:
         assert cpu_decode.load() is None
-        assert "kernel is unavailable" in caplog.text
+        assert "kernels of cpu_decode.cpp are unavailable" in caplog.text
         k_cache, v_cache, tables, ctx = paged_batch([6, 2])
         q = torch.randn(2, 4, 8)
         out = TorchBackend().decode(q, k_cache, v_cache, ctx, scale=0.5)

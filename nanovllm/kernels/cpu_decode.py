@@ -1,24 +1,16 @@
 """Paged decode attention on a CPU, straight from the paged cache (cpu_decode.cpp), and
-its launcher. The C++ has no PyTorch headers: compiled with the system's C++ compiler at
-first use in a few seconds (torch.utils.cpp_extension would take a minute), for this
-CPU (-march=native), cached under ~/.cache/nanovllm keyed by the source, the flags and
-the CPU, and loaded with ctypes. Its OpenMP threads are PyTorch's own: the library
-links libgomp.so.1, which the process already holds, loaded by libtorch.
+its launcher. The C++ is built at first use and loaded with ctypes (kernels/cpu_build.py).
 
 `load()` is None, with one warning saying why, when no compiler is found or the build
 fails; the torch backend then gathers the rows in use as before.
 """
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from nanovllm.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # -fno-trapping-math: the softmax loop's selects may be if-converted, so it vectorizes (not
@@ -33,19 +25,10 @@ _ARGTYPES = (_PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int64, _PTR, _INT, _INT, _IN
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use; None (and a warning) if it cannot be."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return _unavailable("no C++ compiler (g++ or c++, or $CXX) was found")
-    try:
-        path = _cache_dir() / f"cpu_decode-{_build_key(compiler)}.so"
-        if not path.exists():
-            _compile(compiler, path)
-        library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or str(error)
-        return _unavailable(f"building or loading {SOURCE.name} failed: {detail[-800:]}")
-    library.nanovllm_paged_decode.argtypes = _ARGTYPES
-    library.nanovllm_paged_decode.restype = None
+    library = load_library(SOURCE, FLAGS, "decode gathers K/V rows instead")
+    if library is not None:
+        library.nanovllm_paged_decode.argtypes = _ARGTYPES
+        library.nanovllm_paged_decode.restype = None
     return library
 
 
@@ -75,35 +58,3 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
     assert q.dim() == 3 and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
     assert block_tables.dtype == context_lens.dtype == torch.int32
     assert block_tables.shape[0] == context_lens.shape[0] == q.shape[0]
-
-
-def _unavailable(reason: str) -> None:
-    logging.getLogger("nanovllm").warning(
-        "the CPU paged-decode kernel is unavailable (%s); decode gathers K/V rows instead", reason)
-    return None
-
-
-def _build_key(compiler: str) -> str:
-    """Source, compiler, flags and this CPU (-march=native code may not run on another)."""
-    cpu = ""
-    if os.path.exists("/proc/cpuinfo"):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = "".join(l for l in lines if l.startswith(("model name", "flags")))[:4096]
-    text = "\n".join((SOURCE.read_text(), compiler, *FLAGS, cpu))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(root) / "nanovllm" / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _compile(compiler: str, path: Path) -> None:
-    """Build into a temporary file, then rename: concurrent first uses never load half a file."""
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = Path(tmp) / path.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(built, path)
