@@ -2,6 +2,7 @@
 the sampler's softmax race), on CUDA without enforce_eager (on a CPU compiling costs 10-25 s a
 process, more than it saves: benchmarks/compiled_ops.py). Each op is compiled once per process
 and shared by every layer: dynamo guards on shapes and dtypes, never on a layer."""
+import functools
 from collections.abc import Callable
 
 import torch
@@ -13,16 +14,16 @@ compile_scope = _enabled.scope  # layers (and samplers) built inside use the com
 
 
 class HotOp:
-    """A pure function (`@HotOp`) and, made on first demand, its torch.compile'd twin."""
+    """A pure function (`@HotOp`), its compiled twin (made on first demand) and a CPU twin."""
 
-    def __init__(self, fn: Callable):
-        self.eager = fn
-        self._compiled: Callable | None = None
+    def __init__(self, fn: Callable, native: Callable | None = None):
+        self.eager, self._compiled = fn, None
+        self.native = functools.partial(native, fn) if native else None  # native(eager, *args)
 
     def select(self) -> Callable:
-        """For a layer being built: the compiled twin inside compile_scope(True), else eager."""
-        if not _enabled.value:
-            return self.eager
-        if self._compiled is None:
-            self._compiled = torch.compile(self.eager)
-        return self._compiled
+        """For a layer being built: compiled in compile_scope(True), else native on a CPU."""
+        if _enabled.value:
+            self._compiled = self._compiled or torch.compile(self.eager)
+            return self._compiled
+        on_cpu = torch.get_default_device().type == "cpu"
+        return self.native if self.native and on_cpu else self.eager
