@@ -2,7 +2,6 @@
 the sampler's softmax race), on CUDA without enforce_eager (on a CPU compiling costs 10-25 s a
 process, more than it saves: benchmarks/compiled_ops.py). Each op is compiled once per process
 and shared by every layer: dynamo guards on shapes and dtypes, never on a layer."""
-import functools
 from collections.abc import Callable
 
 import torch
@@ -14,11 +13,12 @@ compile_scope = _enabled.scope  # layers (and samplers) built inside use the com
 
 
 class HotOp:
-    """A pure function (`@HotOp`), its compiled twin (made on first demand) and a CPU twin."""
+    """A pure function (`@HotOp`), its compiled twin (made on first demand) and, given one by
+    kernels/cpu_ops.hot_op, a native twin that CPU layers call instead."""
 
     def __init__(self, fn: Callable, native: Callable | None = None):
-        self.eager, self._compiled = fn, None
-        self.native = functools.partial(native, fn) if native else None  # native(eager, *args)
+        self.eager, self.native = fn, native
+        self._compiled: Callable | None = None
 
     def select(self) -> Callable:
         """For a layer being built: compiled in compile_scope(True), else native on a CPU."""

@@ -1,12 +1,12 @@
 """RMSNorm (alone or after the residual add) and rotary embedding on a CPU, one native call
 each (cpu_ops.cpp, built as kernels/cpu_build.py says) instead of PyTorch's 5-10 small ops.
 
-Each function is the CPU twin of a HotOp of layers/ (`@functools.partial(HotOp, native=...)`):
-it is given that op's eager function first and returns exactly what it would, bit for bit in
-float32 and bfloat16; for what the C++ does not cover (another dtype, a layout it does not
-index, no compiler) it calls the eager function. What is left of a call at decode sizes is
-mostly its Python (~6 us: checks, the output's allocation, ctypes). Measured, eager ->
-native, us, 1 thread, float32, medians of 15 alternating rounds (benchmarks/cpu_ops.py):
+Each function is the CPU twin of a HotOp of layers/ (`@hot_op(native=...)`): it is given that
+op's eager function first and returns exactly what it would, bit for bit in float32 and
+bfloat16; for what the C++ does not cover (another dtype, a layout it does not index, no
+compiler) it calls the eager function. What is left of a call at decode sizes is mostly its
+Python (~6 us: checks, the output's allocation, ctypes). Measured, eager -> native, us, 1
+thread, float32, medians of 15 alternating rounds (benchmarks/cpu_ops.py):
 
     rows x hidden, heads/kv heads x head_dim  rms_norm    add_rms_norm  q_norm       rotary
     256 x 32, 2/1 x 16 (the tests' tiny model)   30 -> 13    34 -> 16      40 -> 18     86 -> 20
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from nanovllm.compilation import HotOp
 from nanovllm.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -52,6 +53,11 @@ def load() -> ctypes.CDLL | None:
                                             _INT, _INT, _INT, _INT, _INT)
         library.nanovllm_rotary.restype = _I64
     return library
+
+
+def hot_op(native: Callable) -> Callable[[Callable], HotOp]:
+    """`@hot_op(native=twin)` on an eager op: a HotOp whose CPU layers call twin(eager, *args)."""
+    return lambda eager: HotOp(eager, functools.partial(native, eager))
 
 
 def rms_norm(eager: Callable, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,15 +4,14 @@ RoPE share one [max_position, 2, head_dim] cos/sin cache (Qwen3's: 40 MiB)."""
 import json
 import math
 import weakref
-import functools
 
 import torch
 from torch import nn
 
-from nanovllm.compilation import HotOp
 from nanovllm.kernels import cpu_ops
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
 # (head_dim, max_position, parameters, device) -> the cos/sin cache layers of it share; a
 # cache lives as long as a model holds it.
 _CACHES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
@@ -31,7 +30,7 @@ class RotaryEmbedding(nn.Module):
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
-@functools.partial(HotOp, native=cpu_ops.apply_rotary_emb)
+@cpu_ops.hot_op(native=cpu_ops.apply_rotary_emb)
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k as one: x * (cos | cos) + (x2 | x1) * (-sin | sin), rounded as transformers'."""
