@@ -13,16 +13,17 @@ compile_scope = _enabled.scope  # layers (and samplers) built inside use the com
 
 
 class HotOp:
-    """A pure function (`@HotOp`) and, made on first demand, its torch.compile'd twin."""
+    """A pure function (`@HotOp`), its compiled twin (made on first demand) and, given one by
+    kernels/cpu_ops.hot_op, a native twin that CPU layers call instead."""
 
-    def __init__(self, fn: Callable):
-        self.eager = fn
+    def __init__(self, fn: Callable, native: Callable | None = None):
+        self.eager, self.native = fn, native
         self._compiled: Callable | None = None
 
     def select(self) -> Callable:
-        """For a layer being built: the compiled twin inside compile_scope(True), else eager."""
-        if not _enabled.value:
-            return self.eager
-        if self._compiled is None:
-            self._compiled = torch.compile(self.eager)
-        return self._compiled
+        """For a layer being built: compiled in compile_scope(True), else native on a CPU."""
+        if _enabled.value:
+            self._compiled = self._compiled or torch.compile(self.eager)
+            return self._compiled
+        on_cpu = torch.get_default_device().type == "cpu"
+        return self.native if self.native and on_cpu else self.eager

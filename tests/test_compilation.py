@@ -12,7 +12,7 @@ from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.compilation import compile_scope
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
-from nanovllm.layers.rotary_embedding import apply_rotary_emb
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 from nanovllm.sampling.sampler import softmax_race
 
 HOT_OPS = (rms_norm, add_rms_norm, silu_and_mul, apply_rotary_emb, softmax_race)
@@ -22,11 +22,13 @@ def norms(llm: LLM) -> list[RMSNorm]:
     return [m for m in llm.model_runner.model.modules() if isinstance(m, RMSNorm)]
 
 
-def test_the_cpu_path_runs_the_eager_ops(checkpoints):
+def test_the_cpu_path_runs_the_native_twins(checkpoints):
     with LLM(str(checkpoints["gqa"]), device="cpu", num_kvcache_blocks=8) as llm:
-        assert all(n._norm is rms_norm.eager and n._add_norm is add_rms_norm.eager
+        assert all(n._norm is rms_norm.native and n._add_norm is add_rms_norm.native
                    for n in norms(llm))
-        assert llm.model_runner.sampler._softmax_race is softmax_race.eager
+        assert all(m._fn is apply_rotary_emb.native for m in llm.model_runner.model.modules()
+                   if isinstance(m, RotaryEmbedding))
+        assert llm.model_runner.sampler._softmax_race is softmax_race.eager  # it has no twin
 
 
 @pytest.fixture

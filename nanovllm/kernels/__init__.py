@@ -8,6 +8,8 @@ asserts the layouts it is given, naming the argument (kernels/layout.py).
                              the tokens sorted by expert
 
     cpu_decode               (C++, not Triton) the CPU's paged decode, see cpu_decode.py
+    cpu_ops                  (C++) the CPU's RMSNorm (+ residual) and rotary, bit-equal to the
+                             eager ops; both C++ libraries built by cpu_build.py
     torch_attention          (plain PyTorch) paged prefill and decode: the reference and the
                              `torch` backend's compute
     sampling_ops             (plain PyTorch) the sampler's penalties, filters and draws

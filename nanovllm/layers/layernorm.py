@@ -1,17 +1,17 @@
 import torch
 from torch import nn
 
-from nanovllm.compilation import HotOp
+from nanovllm.kernels import cpu_ops
 
 
-@HotOp
+@cpu_ops.hot_op(native=cpu_ops.rms_norm)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as Hugging Face's Qwen3RMSNorm does."""
     x32 = x.float()  # (torch.rms_norm measured slower on a CPU at decode sizes)
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@HotOp
+@cpu_ops.hot_op(native=cpu_ops.add_rms_norm)
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the add in the input dtype as transformers'."""
@@ -26,8 +26,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self._norm = rms_norm.select()
-        self._add_norm = add_rms_norm.select()
+        self._norm, self._add_norm = rms_norm.select(), add_rms_norm.select()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch import nn
 
-from nanovllm.compilation import HotOp
+from nanovllm.kernels import cpu_ops
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
@@ -30,7 +30,7 @@ class RotaryEmbedding(nn.Module):
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
-@HotOp
+@cpu_ops.hot_op(native=cpu_ops.apply_rotary_emb)
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k as one: x * (cos | cos) + (x2 | x1) * (-sin | sin), rounded as transformers'."""
