@@ -1,5 +1,5 @@
-"""Builds and loads the CPU kernels written in C++ (cpu_decode.cpp, cpu_ops.cpp). They have no
-PyTorch headers: compiled with the system's C++ compiler at first use in a few seconds
+"""Builds and loads the CPU kernels written in C++ (cpu_decode.cpp, cpu_ops.cpp, cpu_sample.cpp).
+They have no PyTorch headers: compiled with the system's C++ compiler at first use in a few seconds
 (torch.utils.cpp_extension would take a minute), for this CPU (-march=native), cached under
 ~/.cache/nanovllm keyed by the source, the flags and the CPU, and loaded with ctypes. Their
 OpenMP threads are PyTorch's own: a library links libgomp.so.1, which the process already
