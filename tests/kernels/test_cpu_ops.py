@@ -16,6 +16,14 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_POSITION = 4096
 
 
+def qkv_cases(test):
+    """Built, over both dtypes, 1, 3 and 256 rows and four head layouts (GQA, MHA, head_dim 40)."""
+    test = pytest.mark.parametrize("heads,kv_heads,head_dim",
+                                   [(2, 1, 16), (4, 2, 64), (16, 8, 128), (3, 3, 40)])(test)
+    test = pytest.mark.parametrize("rows", [1, 3, 256])(test)
+    return built(pytest.mark.parametrize("dtype", DTYPES)(test))
+
+
 def randn(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:
     return (3 * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
 
@@ -65,11 +73,7 @@ def test_add_rms_norm_is_the_eager_op_and_leaves_its_inputs(dtype, rows, hidden)
     assert all(torch.equal(a, b) for a, b in zip((x, residual, weight), inputs))
 
 
-@built
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 256])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 16), (4, 2, 64), (16, 8, 128),
-                                                     (3, 3, 40)])
+@qkv_cases
 def test_q_and_k_norm_over_each_head_of_a_qkv_view(dtype, rows, heads, kv_heads, head_dim):
     q, k = qk_views(rows, heads, kv_heads, head_dim, dtype)
     weight = randn(head_dim, dtype=dtype, seed=2)
@@ -109,11 +113,7 @@ def test_eps_is_honoured():
                        add_rms_norm.eager(x, x, weight, 1e-2)[0])
 
 
-@built
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 256])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 16), (4, 2, 64), (16, 8, 128),
-                                                     (3, 3, 40)])
+@qkv_cases
 def test_rotary_is_the_eager_op_and_leaves_its_inputs(dtype, rows, heads, kv_heads, head_dim):
     q, k = qk_views(rows, heads, kv_heads, head_dim, dtype)
     cache = get_rope(head_dim, MAX_POSITION, {"rope_theta": 1e6}).cos_sin_cache
