@@ -9,10 +9,12 @@ asserts the layouts it is given, naming the argument (kernels/layout.py).
 
     cpu_decode               (C++, not Triton) the CPU's paged decode, see cpu_decode.py
     cpu_ops                  (C++) the CPU's RMSNorm (+ residual) and rotary, bit-equal to the
-                             eager ops; both C++ libraries built by cpu_build.py
+                             eager ops
+    cpu_sample.cpp           (C++) the CPU's draw from softmax(logits), called by sampling_ops;
+                             the three C++ libraries built by cpu_build.py
     torch_attention          (plain PyTorch) paged prefill and decode: the reference and the
                              `torch` backend's compute
-    sampling_ops             (plain PyTorch) the sampler's penalties, filters and draws
+    sampling_ops             (PyTorch) the sampler's penalties, filters and draws
 
 Triton is imported, with every Triton kernel at once, when the first name below is
 asked for (the CPU kernel needs no Triton). They run on CUDA tensors, or on CPU tensors
