@@ -12,7 +12,6 @@ its own engine, the same arrivals through each.
 import argparse
 import os
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path

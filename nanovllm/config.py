@@ -61,9 +61,8 @@ class Config:
         if check_bool("async_scheduling", self.async_scheduling) and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling works on one rank: pass tensor_parallel_size=1 "
                              "or async_scheduling=False")
-        for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("load_format", LOAD_FORMATS),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("load_format", LOAD_FORMATS),
                               ("scheduling_policy", SCHEDULING_POLICIES)):
             check_choice(name, getattr(self, name), allowed)
         self.hf_config = AutoConfig.from_pretrained(self.model)

@@ -60,7 +60,8 @@ def drive(reqs, num_blocks: int, async_scheduling: bool, eos: bool = True):
         batch = scheduler.schedule()
         tokens = runner.run(batch) if batch else []
         if not async_scheduling:
-            scheduler.postprocess(batch, tokens)
+            scheduler.advance(batch)
+            scheduler.accept(batch, tokens)
         else:  # as LLMEngine.step: launch n + 1, read n, then n + 1's bookkeeping
             if in_flight is not None:
                 scheduler.accept(*in_flight)

@@ -71,7 +71,8 @@ class Scheduler:
             # just freed would otherwise go to a prompt the next decode step preempts again.
             admit = self.num_preemptions == preemptions
             seqs += self._schedule_prefill(self.max_num_batched_tokens - len(seqs), admit)
-        if not seqs and not self.is_finished() and not self.has_pending():
+        if not seqs and not self.is_finished() and not any(  # none waits for a token in flight
+                seq.last_token == PENDING for seq in (*self.running, *self.waiting)):
             raise RuntimeError("scheduler found no runnable sequence although requests are pending")
         return seqs
 
@@ -125,11 +126,6 @@ class Scheduler:
         seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, max(0, budget))
         return seq.num_scheduled_tokens
 
-    def has_pending(self) -> bool:
-        """Whether a sequence waits for a token of a step still on the device (async
-        scheduling): nothing may be runnable until it is read and its blocks are freed."""
-        return any(seq.last_token == PENDING for seq in (*self.running, *self.waiting))
-
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it goes back to the front of the queue."""
         self.running.remove(seq)  # the newest: at the end, found at once
@@ -139,11 +135,6 @@ class Scheduler:
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
-
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Record a step's results; return the sequences it finished."""
-        self.advance(seqs)
-        return [seq for seq in self.accept(seqs, token_ids) if seq.is_finished]
 
     def advance(self, seqs: list[Sequence]) -> None:
         """A launched step's bookkeeping, before its tokens are read: its KV is (being) written,
