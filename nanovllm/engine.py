@@ -76,8 +76,12 @@ class LLMEngine:
             raise TypeError(f"{where}sampling params must be a SamplingParams, got "
                             f"{type(params).__name__}")
         try:
-            token_ids = check_token_ids(self._prompt_token_ids(prompt),
-                                        self.config.hf_config.vocab_size)
+            vocab_size = self.config.hf_config.vocab_size
+            token_ids = check_token_ids(self._prompt_token_ids(prompt), vocab_size)
+            for name in ("stop_token_ids", "logit_bias"):  # bad ids would fail in the sampler
+                if bad := [t for t in getattr(params, name) if t >= vocab_size]:
+                    raise ValueError(f"{name}: token id {bad[0]} is outside the model's "
+                                     f"vocabulary [0, {vocab_size})")
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids)
             self.scheduler.check_fits(seq)
         except (TypeError, ValueError) as e:
@@ -117,7 +121,9 @@ class LLMEngine:
         try:
             seqs = self.scheduler.schedule()
             previous, self.in_flight, accepted = self.in_flight, None, []
-            if previous is not None and (not seqs or needs_host_tokens(seqs)):
+            # Penalties count a batch's tokens on the host: the step in flight is read first.
+            if previous is not None and (not seqs or any(
+                    seq.sampling_params.has_penalties for seq in seqs)):
                 accepted, previous = self._accept(*previous), None
             num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
             num_prefill = sum(seq.num_scheduled_tokens for seq in seqs[num_decode:])  # rows first
@@ -144,9 +150,15 @@ class LLMEngine:
                           num_prefill, num_decode, new_tokens)
 
     def _accept(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
-        """Read a launched step's tokens into its sequences; those that took one."""
+        """Read a launched step's tokens (and logprobs) into its sequences, but those that
+        ended while it ran; the sequences that took one."""
         tokens = out.token_ids if isinstance(out.token_ids, list) else out.token_ids.tolist()
-        record_logprobs(seqs, out)
+        for seq, entry in zip(seqs, out.logprobs or ()):
+            if entry is not None and not seq.is_finished:
+                seq.logprobs.append(entry)
+        for seq, entries in zip(seqs, out.prompt_logprobs or ()):
+            if entries and not seq.is_finished:
+                seq.prompt_logprobs.extend(entries)
         return self.scheduler.accept(seqs, tokens)
 
     def _completion_output(self, seq: Sequence) -> CompletionOutput:
@@ -201,21 +213,6 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def record_logprobs(seqs: list[Sequence], out: SamplerOutput) -> None:
-    """Keep the step's logprobs on their sequences, but those that ended while it ran."""
-    for seq, entry in zip(seqs, out.logprobs or ()):
-        if entry is not None and not seq.is_finished:
-            seq.logprobs.append(entry)
-    for seq, entries in zip(seqs, out.prompt_logprobs or ()):
-        if entries and not seq.is_finished:
-            seq.prompt_logprobs.extend(entries)
-
-
-def needs_host_tokens(seqs: list[Sequence]) -> bool:
-    """Penalties count a batch's tokens on the host: the step in flight is read first."""
-    return any(seq.sampling_params.has_penalties for seq in seqs)
 
 
 def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:

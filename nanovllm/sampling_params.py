@@ -24,6 +24,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0    # prompt and completion tokens: logit / or x it
     presence_penalty: float = 0.0      # minus this for each token in the completion
     frequency_penalty: float = 0.0     # minus this per occurrence in the completion
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (greedy too)
     logprobs: int | None = None        # per completion token: the top this many, + the chosen
     prompt_logprobs: int | None = None  # the same for each prompt token (the first: None)
     include_stop_str_in_output: bool = False  # keep the stop string (or token) in the text
@@ -49,6 +50,11 @@ class SamplingParams:
                      "a number > 0 (1 turns it off)", low_open=True)
         for name in ("presence_penalty", "frequency_penalty"):
             check_number(name, getattr(self, name), -2, 2, "in [-2, 2] (0 turns it off)")
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict (id -> bias), got {type(bias).__name__}")
+        self.logit_bias = {check_int("logit_bias's token ids", i, minimum=0): float(check_number(
+            f"logit_bias[{i}]", b, -math.inf, math.inf, "finite")) for i, b in bias.items()}
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check_bool(name, getattr(self, name))
         ids = [] if self.stop_token_ids is None else self.stop_token_ids

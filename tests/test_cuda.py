@@ -107,7 +107,8 @@ SAMPLING_OPTIONS = [
     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1, min_tokens=3,
                    stop_token_ids=[7], repetition_penalty=1.2, presence_penalty=0.5,
                    frequency_penalty=0.5, max_tokens=8, ignore_eos=True),
-    SamplingParams(temperature=0.7, top_k=5, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=5, max_tokens=8, ignore_eos=True,
+                   logit_bias={3: 2.0, 9: -1.5}),
     SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True),
 ]
 
@@ -134,7 +135,8 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             kinds.add(tuple(sorted({seq.is_prefill for seq in seqs})))
-            llm.scheduler.postprocess(seqs, sampled.tolist())
+            llm.scheduler.advance(seqs)
+            llm.scheduler.accept(seqs, sampled.tolist())
     assert (False,) in kinds and any(True in kind for kind in kinds)  # decode and prefill steps
 
 

@@ -69,6 +69,11 @@ def test_one_bad_prompt_rejects_the_whole_list(llm, checkpoints):
     ([GREEDY, GREEDY], ValueError, r"got 2 sampling params for 1 prompts"),
     ("greedy", TypeError, r"sampling_params must be a SamplingParams"),
     ([None], TypeError, r"prompt 0: sampling params must be a SamplingParams"),
+    # ids past the vocabulary would index the logits in the sampler, failing the whole step
+    ([SamplingParams(stop_token_ids=[3, 512], min_tokens=2)], ValueError,
+     r"prompt 0: stop_token_ids: token id 512 is outside .*\[0, 512\)"),
+    ([SamplingParams(logit_bias={7: 1.0, 10**6: -5.0})], ValueError,
+     r"prompt 0: logit_bias: token id 1000000 is outside"),
 ])
 def test_bad_sampling_params_are_refused(llm, checkpoints, params, exc, message):
     with pytest.raises(exc, match=message):

@@ -167,3 +167,50 @@ def test_without_a_stop_the_reason_is_length_and_the_text_is_the_whole_decode(ll
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(path, tuple(prompt), 10)
     assert out["finish_reason"] == "length" and out["text"] == llm.tokenizer.decode(out["token_ids"])
+
+
+def hf_greedy_biased(path: str, prompt: list[int], bias: dict[int, float], new_tokens: int):
+    """transformers' greedy generate under its own SequenceBiasLogitsProcessor (one-token
+    sequences: the bias is added to those logits every step): the tokens, and its raw
+    log_softmax for each (what logprobs report: the distribution before any bias)."""
+    out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0, output_scores=True,
+                                  output_logits=True, return_dict_in_generate=True,
+                                  sequence_bias=[[[t], b] for t, b in bias.items()])
+    assert_clear_argmax(torch.stack(out.scores)[:, 0], f"biased prompt {prompt[:8]}...")
+    tokens = out.sequences[0, len(prompt):].tolist()
+    raw = torch.stack(out.logits)[:, 0].float().log_softmax(-1)
+    return tokens, [raw[j, t].item() for j, t in enumerate(tokens)]
+
+
+def test_logit_bias_matches_transformers_sequence_bias_and_leaves_logprobs_raw(llm, path):
+    prompts = make_prompts([5, 13, 9], seed=11)
+    greedy = [hf_greedy(path, tuple(p), NEW_TOKENS) for p in prompts]
+    # Against the first two greedy tokens of each prompt, for a token that was not chosen:
+    biases = [{g[0]: -4.0, g[1]: -2.5, (g[0] + 7) % 500: 3.0} for g in greedy]
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logit_bias=b,
+                             logprobs=0) for b in biases]
+    plain = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts + prompts[:1], params + [plain], use_tqdm=False)
+    for out, prompt, bias, unbiased in zip(outs, prompts, biases, greedy):
+        tokens, raw = hf_greedy_biased(path, prompt, bias, NEW_TOKENS)
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens != unbiased
+        logprobs = [entries[t].logprob for entries, t in zip(completion.logprobs, tokens)]
+        assert logprobs == pytest.approx(raw, abs=1e-4)
+    assert outs[-1].outputs[0].token_ids == greedy[0]  # the unbiased row beside them
+
+
+def test_logit_bias_reaches_sampled_rows_and_min_tokens_outranks_it(llm):
+    prompt = make_prompts([6], seed=12)[0]
+    forced = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3,
+                            logit_bias={42: 100.0})
+    banned = SamplingParams(temperature=1.5, max_tokens=NEW_TOKENS, ignore_eos=True, seed=4,
+                            logit_bias=dict.fromkeys(range(250), -100.0))
+    # 42 is a stop id, +100 but forbidden (-inf) for the first three tokens: it ends the fourth
+    stop = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, stop_token_ids=[42],
+                          min_tokens=3, logit_bias={42: 100.0})
+    out_forced, out_banned, out_stop = token_ids(llm, [prompt] * 3, [forced, banned, stop])
+    assert out_forced == [42] * 6
+    assert min(out_banned) >= 250
+    assert len(out_stop) == 4 and out_stop[-1] == 42 and 42 not in out_stop[:3]

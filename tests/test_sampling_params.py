@@ -9,7 +9,7 @@ def test_defaults_turn_every_option_off():
     p = SamplingParams()
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (1.0, 0, 1.0, 0.0, None)
     assert (p.max_tokens, p.min_tokens, p.ignore_eos) == (64, 0, False)
-    assert (p.stop_token_ids, p.stop) == ([], [])
+    assert (p.stop_token_ids, p.stop, p.logit_bias) == ([], [], {})
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert not p.is_greedy and not p.has_penalties
     assert (p.n, p.logprobs, p.prompt_logprobs) == (1, None, None)
@@ -36,7 +36,7 @@ def test_a_single_stop_string_becomes_a_list():
     ("temperature", 0), ("top_k", -1), ("top_k", 0), ("top_k", 1), ("top_p", 1e-9), ("top_p", 1),
     ("min_p", 0), ("min_p", 0.999), ("seed", 0), ("seed", -5), ("seed", 2**70),
     ("min_tokens", 64), ("repetition_penalty", 0.01), ("presence_penalty", -2),
-    ("frequency_penalty", 2),
+    ("frequency_penalty", 2), ("logit_bias", {0: -100.0, 5: 1e6}),
 ])
 def test_boundary_values_are_accepted(field, value):
     assert getattr(SamplingParams(**{field: value}), field) == value
@@ -64,6 +64,9 @@ def test_boundary_values_are_accepted(field, value):
     ("n", 0, ">= 1"),
     ("logprobs", -1, ">= 0"),
     ("prompt_logprobs", -2, ">= 0"),
+    ("logit_bias", {-1: 1.0}, ">= 0"),
+    ("logit_bias", {3: float("-inf")}, "finite"),
+    ("logit_bias", {3: float("nan")}, "finite"),
 ])
 def test_bad_values_are_value_errors_naming_field_and_range(field, value, range_text):
     with pytest.raises(ValueError) as err:
@@ -79,6 +82,8 @@ def test_bad_values_are_value_errors_naming_field_and_range(field, value, range_
     ("repetition_penalty", "1"), ("presence_penalty", None), ("frequency_penalty", [0.1]),
     ("n", 2.0), ("n", None), ("logprobs", 1.0), ("prompt_logprobs", True),
     ("include_stop_str_in_output", 1), ("skip_special_tokens", None),
+    ("logit_bias", [(1, 2.0)]), ("logit_bias", {"1": 2.0}), ("logit_bias", {True: 2.0}),
+    ("logit_bias", {1: "2"}),
 ])
 def test_wrong_types_are_type_errors_naming_the_field(field, value):
     with pytest.raises(TypeError, match=field):

@@ -248,6 +248,19 @@ def test_a_stop_string_split_across_tokens_is_never_partly_streamed(client, offl
     assert streamed == expected and chunk.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_steers_greedy_tokens_as_offline(client, offline):
+    plain = offline.generate(["def parse(text):"], greedy(12), use_tqdm=False)[0].outputs[0]
+    first = plain.token_ids[0]
+    bias = {first: -100, (first + 1) % 256: 4}
+    expected = offline.generate(["def parse(text):"], greedy(12, logit_bias=bias),
+                                use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=NAME, prompt="def parse(text):", max_tokens=12,
+                                    temperature=0, logit_bias={str(t): b for t, b in bias.items()},
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == expected.text != plain.text
+    assert first not in expected.token_ids[:1]
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(client, server):
@@ -256,7 +269,11 @@ def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(cl
              (dict(prompt="word " * 600), "prompt"),  # longer than max_model_len=512
              (dict(prompt=[[1, 2], "x", 3]), "prompt"),
              (dict(prompt=["x", [1, 10**6]]), "prompt"),  # "prompt 1: token id ... outside"
-             (dict(prompt="x", echo=True), "echo")]
+             (dict(prompt="x", echo=True), "echo"),
+             (dict(prompt="x", logit_bias={"5": 101}), "logit_bias"),
+             (dict(prompt="x", logit_bias={"five": 1}), "logit_bias"),
+             (dict(prompt="x", logit_bias={str(10**6): 1}), "logit_bias"),  # past the vocab
+             (dict(prompt="x", extra_body={"stop_token_ids": [10**6]}), "stop_token_ids")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=NAME, **kwargs)

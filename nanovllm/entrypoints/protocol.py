@@ -8,6 +8,7 @@ raises TypeError / ValueError naming the field (SamplingParams' own checks inclu
 server answers those with 400.
 """
 import json
+import re
 import time
 import uuid
 from numbers import Integral
@@ -15,7 +16,7 @@ from numbers import Integral
 from nanovllm.entrypoints.async_engine import Delta
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils import check_bool, check_int
+from nanovllm.utils import check_bool, check_int, check_number
 
 # Request fields that are SamplingParams fields of the same name and meaning.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "max_tokens",
@@ -23,8 +24,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop"
                    "min_tokens", "stop_token_ids", "skip_special_tokens",
                    "include_stop_str_in_output")
 # OpenAI fields this server does not implement: refused when set rather than ignored.
-UNSUPPORTED_FIELDS = ("suffix", "echo", "logit_bias", "tools", "functions", "response_format",
-                      "prompt_logprobs")
+UNSUPPORTED_FIELDS = ("suffix", "echo", "tools", "functions", "response_format", "prompt_logprobs")
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
 
 
@@ -61,6 +61,8 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
     """The request's SamplingParams. max_tokens defaults as in vLLM: 16 for completions,
     up to max_model_len for chat. Chat's logprobs is a bool with top_logprobs beside it."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = logit_bias(body["logit_bias"])
     if not chat:
         kwargs.setdefault("max_tokens", 16)
         if body.get("logprobs") is not None:
@@ -75,6 +77,18 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
         elif top:
             raise ValueError("top_logprobs needs logprobs: true")
     return SamplingParams(**kwargs)
+
+
+def logit_bias(bias: object) -> dict[int, float]:
+    """OpenAI's logit_bias: an object of token ids (JSON keys are strings) -> a bias in
+    [-100, 100], added to that token's logit."""
+    if not isinstance(bias, dict):
+        raise TypeError(f"logit_bias must be an object of token id -> bias, got "
+                        f"{type(bias).__name__}")
+    if bad := [key for key in bias if not re.fullmatch("[0-9]+", key)]:
+        raise ValueError(f"logit_bias keys must be token ids, got {bad[0]!r}")
+    return {int(key): check_number(f"logit_bias[{key}]", value, -100, 100, "in [-100, 100]")
+            for key, value in bias.items()}
 
 
 def completion_prompts(prompt: object) -> list[str | list[int]]:
@@ -122,9 +136,12 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 def param_of(message: str, body: dict) -> str | None:
-    """The field an error message names first (SamplingParams' messages begin with it)."""
-    name = message.split(" ", 1)[0]
-    return name if name in body else None
+    """The field an error message names first: SamplingParams' messages begin with it, the
+    engine's with "prompt N: " and then the field, unless the prompt itself is at fault."""
+    named = re.match(r"(?:prompt \d+: )?(\w*)", message)[1]
+    if named in body:
+        return named
+    return "prompt" if message.startswith("prompt") and "prompt" in body else None
 
 
 # -- responses ----------------------------------------------------------------------------

@@ -213,7 +213,7 @@ class ModelRunner:
         vocab_size = self.config.hf_config.vocab_size
         everything = SamplingParams(top_k=max(1, vocab_size // 2), top_p=0.9, min_p=0.01, seed=0,
                                     min_tokens=1, stop_token_ids=[0], repetition_penalty=1.1,
-                                    presence_penalty=0.1, frequency_penalty=0.1)
+                                    presence_penalty=0.1, frequency_penalty=0.1, logit_bias={0: 1})
         plain = SamplingParams()
         for params, num_rows in ((everything, rows), (plain, rows), (plain, max(1, rows - 1)),
                                  (plain, 1)):

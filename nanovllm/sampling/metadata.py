@@ -36,7 +36,7 @@ class SamplingMetadata:
     seed_keys: torch.Tensor | None = None       # [S] int64, 32-bit keys (see seed_key)
     all_seeded: bool = False
     penalties: Penalties | None = None
-    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # ([N] rows, [N] token ids)
+    bias: tuple[torch.Tensor, ...] | None = None  # [N] rows, [N] token ids, [N] float32 to add
 
 
 def seed_key(seed: int, step: int) -> int:
@@ -117,8 +117,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts:
         all_greedy=bool(greedy.all()))
     if greedy.any():
         m.greedy = put(greedy)
-    if any(p.min_tokens for p in params):
-        m.suppressed = _suppressed(seqs, put)
+    if any(p.min_tokens or p.logit_bias for p in params):
+        m.bias = _bias(seqs, put)
     if any(p.has_penalties for p in params):
         m.penalties = _penalties(seqs, token_counts, put)
     if not m.all_greedy:
@@ -155,12 +155,18 @@ def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: np.ndarray, p
         m.all_seeded = len(seeded) == int(sampled.sum())
 
 
-def _suppressed(seqs: list[Sequence], put) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) that min_tokens forbids: each sequence's stop ids (EOS unless ignored)."""
-    pairs = [(row, token_id) for row, seq in enumerate(seqs)
-             if seq.num_completion_tokens < seq.sampling_params.min_tokens
-             for token_id in seq.stop_token_ids]
-    return put(pairs).unbind(1) if pairs else None  # [n, 2]: one transfer
+def _bias(seqs: list[Sequence], put) -> tuple[torch.Tensor, ...] | None:
+    """(rows, token ids, values) to add to the logits, one entry per (row, id): logit_bias, and
+    -inf for the stop ids that min_tokens forbids (each sequence's, EOS unless ignored)."""
+    rows, ids, values = [], [], []
+    for row, seq in enumerate(seqs):
+        bias = seq.sampling_params.logit_bias
+        if seq.num_completion_tokens < seq.sampling_params.min_tokens:
+            bias = bias | dict.fromkeys(seq.stop_token_ids, float("-inf"))
+        rows += [row] * len(bias)
+        ids += bias
+        values += bias.values()
+    return (*put([rows, ids]), put(np.array(values, np.float32))) if rows else None
 
 
 def _penalties(seqs: list[Sequence], counts: TokenCounts, put) -> Penalties | None:

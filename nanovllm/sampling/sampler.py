@@ -1,6 +1,6 @@
 """One token id per row of logits, every row with its own settings (vLLM's), in one pass:
 
-    suppressed ids -> penalties -> [greedy rows: argmax]
+    logit bias (min_tokens: stop ids -inf) -> penalties -> [greedy rows: argmax]
                    -> temperature -> top-k -> top-p -> min-p -> sample
 
 Each step's math is an op of kernels/sampling_ops.py; sampling there is the exponential race
@@ -23,8 +23,9 @@ class Sampler(nn.Module):
         """logits [B, vocab] -> token ids [B]. The logits are overwritten."""
         m = metadata
         logits = logits.float()
-        if m.suppressed is not None:  # a device-side -inf: no blocking copy of a scalar
-            logits.index_put_(m.suppressed, logits.new_full((), float("-inf")))
+        if m.bias is not None:  # logit_bias, and -inf where min_tokens forbids a stop id
+            rows, ids, values = m.bias
+            logits[rows, ids] += values
         if m.penalties is not None:
             p = m.penalties
             logits[p.rows] = apply_penalties(logits[p.rows], p.output_counts, p.in_prompt,
