@@ -38,6 +38,8 @@ CONFIGS = {
                  presence_penalty=0.5, frequency_penalty=0.3),
     "full+seed": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                       presence_penalty=0.5, frequency_penalty=0.3, seed=0),
+    "min_tokens": dict(temperature=0.8, min_tokens=4096, stop_token_ids=[1, 2, 3]),
+    "logit_bias": dict(temperature=0.8, logit_bias=dict.fromkeys(range(0, 2000, 20), 2.0)),
     "logprobs=0": dict(temperature=0.8, logprobs=0),
     "logprobs=5": dict(temperature=0.8, logprobs=5),
     "logprobs=20": dict(temperature=0.8, logprobs=20),
