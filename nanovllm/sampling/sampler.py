@@ -1,7 +1,7 @@
 """One token id per row of logits, every row with its own settings (vLLM's), in one pass:
 
     logit bias (min_tokens: stop ids -inf) -> penalties -> [greedy rows: argmax]
-                   -> temperature -> top-k -> top-p -> min-p -> sample
+                                           -> temperature -> top-k -> top-p -> min-p -> sample
 
 Each step's math is an op of kernels/sampling_ops.py; sampling there is the exponential race
 (unseeded CPU rows: the inverse CDF), a seeded row's noise a hash of (seed, step, token id)."""
