@@ -1,5 +1,7 @@
 """Shared fixtures: small random Qwen3 checkpoints built offline once per test run,
 and Hugging Face `transformers` as the oracle for their output."""
+import os
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,6 +24,18 @@ MODEL_SHAPES = {
 # (float32, CPU); a greedy reference whose top token leads by less than 100 times that
 # could be overturned by rounding, so hf_greedy refuses it.
 MIN_TOP2_GAP = 3e-4
+# The CPU kernels (kernels/cpu_*.cpp) build with the compiler kernels/cpu_build.py looks for.
+HAS_COMPILER = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
+
+
+def native_library(load):
+    """A CPU kernel's library, from its `load()`, for a test of it: skipped only where no
+    C++ compiler exists; where one does, a build that fails fails the test."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler (g++ or c++, or $CXX) to build the CPU kernels")
+    library = load()
+    assert library is not None, "a CPU kernel did not build, with a compiler here (see its warning)"
+    return library
 
 
 @pytest.fixture(scope="session")

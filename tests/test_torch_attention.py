@@ -15,7 +15,7 @@ from nanovllm.attention.backend import TorchBackend
 from nanovllm.kernels.torch_attention import DECODE_GROUP_SIZE
 from nanovllm.kernels import cpu_build, cpu_decode
 
-from conftest import hf_greedy
+from conftest import hf_greedy, native_library
 
 
 def naive_decode(q, keys, values, scale):
@@ -61,12 +61,18 @@ def cu_seqlens(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-NATIVE_BUILT = cpu_decode.load() is not None
+@pytest.fixture
+def cpu_decode_library():
+    return native_library(cpu_decode.load)
 
 
-@pytest.fixture(params=[pytest.param("native", marks=pytest.mark.skipif(
-    not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")), "gathering"])
+native = pytest.mark.usefixtures("cpu_decode_library")  # skipped only where no compiler exists
+
+
+@pytest.fixture(params=["native", "gathering"])
 def backend(request):
+    if request.param == "native":
+        native_library(cpu_decode.load)
     return TorchBackend(native_cpu_decode=request.param == "native")
 
 
@@ -106,7 +112,7 @@ def test_prefill_after_a_cached_prefix_equals_attention_written_out():
         assert torch.allclose(out[rows].double(), expected, atol=1e-5), f"sequence {i}"
 
 
-@pytest.mark.skipif(not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")
+@native
 def test_native_decode_reads_a_bfloat16_cache_as_the_reference_does():
     lengths = [17, 1, 40, 16]
     k_cache, v_cache, _, ctx = paged_batch(lengths, block_size=16, head_dim=64, dtype=torch.bfloat16)
@@ -117,7 +123,7 @@ def test_native_decode_reads_a_bfloat16_cache_as_the_reference_does():
     assert torch.allclose(native.float(), reference.float(), atol=2e-2)  # a bf16 rounding or two
 
 
-@pytest.mark.skipif(not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")
+@native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
@@ -137,7 +143,7 @@ def test_native_decode_over_block_sizes_head_dims_and_groups(dtype, block_size, 
         assert torch.allclose(out[i].double(), expected, atol=1e-5), f"sequence {i} (length {n})"
 
 
-@pytest.mark.skipif(not NATIVE_BUILT, reason="the CPU paged-decode kernel did not build")
+@native
 def test_native_decode_is_the_same_on_two_threads():
     lengths = [(13 * i) % 70 + 1 for i in range(9)]
     k_cache, v_cache, _, ctx = paged_batch(lengths, block_size=16, head_dim=64, dtype=torch.bfloat16)

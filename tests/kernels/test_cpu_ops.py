@@ -11,7 +11,16 @@ from nanovllm.kernels import cpu_ops
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
 
-built = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU ops did not build")
+from conftest import native_library
+
+
+
+@pytest.fixture
+def cpu_ops_library():
+    return native_library(cpu_ops.load)
+
+
+built = pytest.mark.usefixtures("cpu_ops_library")  # skipped only where no compiler exists
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_POSITION = 4096
 

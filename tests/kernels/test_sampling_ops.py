@@ -14,6 +14,8 @@ import torch
 from nanovllm.kernels import sampling_ops
 from nanovllm.kernels.sampling_ops import inverse_cdf
 
+from conftest import native_library
+
 F64 = torch.float64
 C = 64  # cpu_sample.cpp's CHUNK: the edges the cases put weight on and around
 CHI2_999 = {7: 24.322}  # the 0.999 quantile of chi-square, 7 degrees of freedom
@@ -61,8 +63,7 @@ def uniforms(rows: int, gen: torch.Generator) -> torch.Tensor:
 def draw_path(request, monkeypatch):
     """inverse_cdf through cpu_sample.cpp, or (its library taken away) through torch."""
     if request.param == "native":
-        if sampling_ops.native_sampler() is None:
-            pytest.skip("cpu_sample.cpp does not build here (no C++ compiler)")
+        native_library(sampling_ops.native_sampler)
     else:
         monkeypatch.setattr(sampling_ops, "native_sampler", lambda: None)
     return request.param
@@ -124,9 +125,7 @@ def float64_weights(logits: torch.Tensor) -> torch.Tensor:
 
 
 def native_draw(logits: torch.Tensor, u: torch.Tensor, threads: int = 1) -> torch.Tensor:
-    library = sampling_ops.native_sampler()
-    if library is None:
-        pytest.skip("cpu_sample.cpp does not build here (no C++ compiler)")
+    library = native_library(sampling_ops.native_sampler)
     logits, out = logits.contiguous(), torch.empty(len(logits), dtype=torch.int64)
     library.nanovllm_sample(logits.data_ptr(), *logits.shape, u.contiguous().data_ptr(),
                             out.data_ptr(), threads)
