@@ -15,6 +15,7 @@ afterwards, helpers included), the same workload through each, and prints a tabl
 The engines' runners are in benchmarks/engines.py, the process groups and the table in
 benchmarks/compare.py.
 """
+
 import argparse
 import json
 import os
@@ -32,8 +33,13 @@ from nanovllm.models.demo import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
 BACKENDS = ("nanovllm", "hf", "vllm")
 # nano-vLLM's workload; a preset may override it, a flag overrides both.
-DEFAULT_WORKLOAD = {"num_seqs": 256, "min_input_len": 100, "max_input_len": 1024,
-                    "min_output_len": 100, "max_output_len": 1024}
+DEFAULT_WORKLOAD = {
+    "num_seqs": 256,
+    "min_input_len": 100,
+    "max_input_len": 1024,
+    "min_output_len": 100,
+    "max_output_len": 1024,
+}
 
 
 @dataclass(frozen=True)
@@ -44,58 +50,143 @@ class Preset:
 
 # Published config.json files (transformers-4 keys, as the checkpoints carry them).
 LLAMA3_2_1B_CONFIG = {  # meta-llama/Llama-3.2-1B
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
-    "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
-    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "use_cache": True, "vocab_size": 128256,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
 }
 QWEN2_5_0_5B_CONFIG = {  # Qwen/Qwen2.5-0.5B
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
-    "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
-    "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 24,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_mrope": False, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 24,
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_mrope": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 MISTRAL_7B_V0_3_CONFIG = {  # mistralai/Mistral-7B-v0.3
-    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "attention_dropout": 0.0,
-    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
     "vocab_size": 32768,
 }
 QWEN3_30B_A3B_CONFIG = {  # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
-    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-    "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
-    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 # A family's architecture shrunk to ~5M parameters (float32): per-step overhead and
 # batching dominate, the home ground of continuous batching. Every family's cpu-small
 # has this shape; Llama keeps its 131072 positions (its RoPE scaling starts at 8192).
-CPU_SMALL_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       vocab_size=4096, max_position_embeddings=4096, torch_dtype="float32",
-                       bos_token_id=0, eos_token_id=1)
-CPU_SMALL_WORKLOAD = {"num_seqs": 128, "min_input_len": 16, "max_input_len": 256,
-                      "min_output_len": 16, "max_output_len": 256}
+CPU_SMALL_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=4096,
+    max_position_embeddings=4096,
+    torch_dtype="float32",
+    bos_token_id=0,
+    eos_token_id=1,
+)
+CPU_SMALL_WORKLOAD = {
+    "num_seqs": 128,
+    "min_input_len": 16,
+    "max_input_len": 256,
+    "min_output_len": 16,
+    "max_output_len": 256,
+}
 
 
 def cpu_small(config: dict, **overrides) -> Preset:
@@ -106,23 +197,24 @@ PRESETS = {
     "qwen3-0.6b": Preset(QWEN3_0_6B_CONFIG, {}),
     "llama3.2-1b": Preset(LLAMA3_2_1B_CONFIG, {}),
     "qwen2.5-0.5b": Preset(QWEN2_5_0_5B_CONFIG, {}),
-    "mistral-7b-v0.3": Preset(MISTRAL_7B_V0_3_CONFIG, {}),    # for a GPU
-    "qwen3-30b-a3b": Preset(QWEN3_30B_A3B_CONFIG, {}),        # for a GPU (61 GB in bfloat16)
+    "mistral-7b-v0.3": Preset(MISTRAL_7B_V0_3_CONFIG, {}),  # for a GPU
+    "qwen3-30b-a3b": Preset(QWEN3_30B_A3B_CONFIG, {}),  # for a GPU (61 GB in bfloat16)
     "cpu-small": cpu_small(QWEN3_0_6B_CONFIG),
     "cpu-small-llama": cpu_small(LLAMA3_2_1B_CONFIG, max_position_embeddings=131072),
     "cpu-small-qwen2": cpu_small(QWEN2_5_0_5B_CONFIG),
     "cpu-small-mistral": cpu_small(MISTRAL_7B_V0_3_CONFIG),
     # 16 experts of 128, 4 per token: the experts' weights read per token are 2/3 of the
     # dense shape's MLP.
-    "cpu-small-qwen3-moe": cpu_small(QWEN3_30B_A3B_CONFIG, num_experts=16,
-                                     num_experts_per_tok=4, moe_intermediate_size=128),
+    "cpu-small-qwen3-moe": cpu_small(
+        QWEN3_30B_A3B_CONFIG, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128
+    ),
 }
 
 
 @dataclass(frozen=True)
 class Workload:
-    prompts: list[list[int]]   # token ids
-    output_lens: list[int]     # max_tokens of each request (ignore_eos: exactly that many)
+    prompts: list[list[int]]  # token ids
+    output_lens: list[int]  # max_tokens of each request (ignore_eos: exactly that many)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -138,57 +230,106 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     lengths uniform in [min, max], all drawn from one seeded generator."""
     rng = random.Random(args.seed)
     max_token = min(10000, vocab_size - 1)
-    prompts = [[rng.randint(0, max_token) for _ in range(rng.randint(args.min_input_len,
-                                                                     args.max_input_len))]
-               for _ in range(args.num_seqs)]
-    output_lens = [rng.randint(args.min_output_len, args.max_output_len)
-                   for _ in range(args.num_seqs)]
+    prompts = [
+        [
+            rng.randint(0, max_token)
+            for _ in range(rng.randint(args.min_input_len, args.max_input_len))
+        ]
+        for _ in range(args.num_seqs)
+    ]
+    output_lens = [
+        rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)
+    ]
     return Workload(prompts, output_lens)
 
 
 # -- arguments ------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"checkpoint directory (default {DEFAULT_MODEL})")
-    model.add_argument("--preset", choices=sorted(PRESETS),
-                       help="a model shape with random weights (no download)")
+    model.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"checkpoint directory (default {DEFAULT_MODEL})"
+    )
+    model.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a model shape with random weights (no download)"
+    )
     for name in DEFAULT_WORKLOAD:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help=f"default {DEFAULT_WORKLOAD[name]}, or the preset's")
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None,
+            help=f"default {DEFAULT_WORKLOAD[name]}, or the preset's",
+        )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--temperature", type=float, default=0.6, help="(default 0.6; 0 = greedy)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="(default auto: nanovllm's choice, e.g. float32 for a bf16 checkpoint "
-                        "on a CPU without native bf16; the peers get the dtype it chose)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="(default auto: nanovllm's choice, e.g. float32 for a bf16 checkpoint "
+        "on a CPU without native bf16; the peers get the dtype it chose)",
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="nanovllm: schedule step n+1 while step n runs")
-    p.add_argument("--scheduling-policy", default="mixed", choices=("mixed", "prefill_first"),
-                   help="nanovllm's scheduling policy (default mixed)")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="nanovllm: schedule step n+1 while step n runs",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default="mixed",
+        choices=("mixed", "prefill_first"),
+        help="nanovllm's scheduling policy (default mixed)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--max-model-len", type=int, default=4096, help="(default 4096)")
-    p.add_argument("--backend", default="nanovllm", choices=BACKENDS,
-                   help="the one engine to run without --compare (default nanovllm)")
-    p.add_argument("--compare", default=None, metavar="PEERS",
-                   help="comma-separated peers (hf, vllm) to run after nanovllm, each in its "
-                        "own process, with a table of the results")
-    p.add_argument("--kv-cache-gib", type=float, default=4.0,
-                   help="CPU KV-cache memory of nanovllm and vLLM, GiB (default 4)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of nanovllm and hf (default: torch's, one per core); "
-                        "vLLM keeps its own thread binding")
-    p.add_argument("--hf-batch-size", type=int, default=32,
-                   help="requests per transformers generate() call (default 32)")
-    p.add_argument("--vllm-python", default=os.environ.get("NANOVLLM_BENCH_VLLM_PYTHON",
-                                                           sys.executable),
-                   help="the interpreter that has vllm installed (default: env "
-                        "NANOVLLM_BENCH_VLLM_PYTHON, else this one)")
-    p.add_argument("--timeout", type=float, default=3600,
-                   help="seconds one engine may take under --compare (default 3600)")
+    p.add_argument(
+        "--backend",
+        default="nanovllm",
+        choices=BACKENDS,
+        help="the one engine to run without --compare (default nanovllm)",
+    )
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="PEERS",
+        help="comma-separated peers (hf, vllm) to run after nanovllm, each in its "
+        "own process, with a table of the results",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=4.0,
+        help="CPU KV-cache memory of nanovllm and vLLM, GiB (default 4)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of nanovllm and hf (default: torch's, one per core); "
+        "vLLM keeps its own thread binding",
+    )
+    p.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=32,
+        help="requests per transformers generate() call (default 32)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("NANOVLLM_BENCH_VLLM_PYTHON", sys.executable),
+        help="the interpreter that has vllm installed (default: env "
+        "NANOVLLM_BENCH_VLLM_PYTHON, else this one)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="seconds one engine may take under --compare (default 3600)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
     return p
 
@@ -219,8 +360,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
         if low > high:
             raise ValueError(f"--min-{kind}-len ({low}) is larger than --max-{kind}-len ({high})")
     if args.max_input_len + args.max_output_len > args.max_model_len:
-        raise ValueError(f"--max-input-len + --max-output-len ({args.max_input_len} + "
-                         f"{args.max_output_len}) exceeds --max-model-len ({args.max_model_len})")
+        raise ValueError(
+            f"--max-input-len + --max-output-len ({args.max_input_len} + "
+            f"{args.max_output_len}) exceeds --max-model-len ({args.max_model_len})"
+        )
     if args.kv_cache_gib <= 0:
         raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     if args.temperature < 0:
@@ -228,19 +371,21 @@ def check_args(args: argparse.Namespace) -> list[str]:
     peers = [p.strip() for p in args.compare.split(",") if p.strip()] if args.compare else []
     unknown = [p for p in peers if p not in BACKENDS[1:]]
     if unknown:
-        raise ValueError(f"--compare takes peers from {', '.join(BACKENDS[1:])}; "
-                         f"got {', '.join(unknown)}")
+        raise ValueError(
+            f"--compare takes peers from {', '.join(BACKENDS[1:])}; got {', '.join(unknown)}"
+        )
     return peers
 
 
 # -- the model --------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     path: str
-    load_format: str      # "auto" (the checkpoint's weights) or "dummy" (random)
-    hf_config: dict       # config.json
-    dtype: str            # --dtype; "auto": nanovllm's own choice, the checkpoint's for a peer
+    load_format: str  # "auto" (the checkpoint's weights) or "dummy" (random)
+    hf_config: dict  # config.json
+    dtype: str  # --dtype; "auto": nanovllm's own choice, the checkpoint's for a peer
 
 
 @contextmanager
@@ -250,8 +395,10 @@ def model_spec(args: argparse.Namespace):
         path = os.path.expanduser(args.model)
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
-            raise SystemExit(f"no config.json in {path!r}: pass --model DIR, or --preset "
-                             f"{{{','.join(sorted(PRESETS))}}} for random weights")
+            raise SystemExit(
+                f"no config.json in {path!r}: pass --model DIR, or --preset "
+                f"{{{','.join(sorted(PRESETS))}}} for random weights"
+            )
         with open(config_file) as f:
             config = json.load(f)
         yield ModelSpec(path, "auto", config, resolve_dtype(args, config))
@@ -273,6 +420,7 @@ def resolve_dtype(args: argparse.Namespace, hf_config: dict) -> str:
 
 # -- one engine ---------------------------------------------------------------------------
 
+
 def run_backend(args: argparse.Namespace) -> dict:
     """Run the workload through args.backend in this process; return its figures."""
     if args.threads and args.backend != "vllm":
@@ -292,9 +440,11 @@ def run_backend(args: argparse.Namespace) -> dict:
 
 
 def throughput(time_s: float, workload: Workload) -> dict:
-    return {"num_prompt_tokens": workload.num_prompt_tokens,
-            "output_tok_s": workload.num_output_tokens / time_s,
-            "total_tok_s": (workload.num_prompt_tokens + workload.num_output_tokens) / time_s}
+    return {
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "output_tok_s": workload.num_output_tokens / time_s,
+        "total_tok_s": (workload.num_prompt_tokens + workload.num_output_tokens) / time_s,
+    }
 
 
 def print_result(result: dict) -> None:
@@ -303,21 +453,37 @@ def print_result(result: dict) -> None:
         return
     if result.get("dtype"):
         print(f"Dtype: {result['dtype']} ({result['engine']}'s; --dtype auto lets it choose)")
-    print(f"Total: {result['output_tokens']}tok, Time: {result['time_s']:.2f}s, "
-          f"Throughput: {result['output_tok_s']:.2f}tok/s")
+    print(
+        f"Total: {result['output_tokens']}tok, Time: {result['time_s']:.2f}s, "
+        f"Throughput: {result['output_tok_s']:.2f}tok/s"
+    )
     if result.get("decode_time_s") is not None:
-        print(f"  prefill {result['prefill_time_s']:.2f}s, decode {result['decode_time_s']:.2f}s "
-              f"over {result['num_decode_steps']} steps ({result['mean_decode_step_ms']:.2f} "
-              f"ms/step), decode bandwidth (est.) {result['decode_bandwidth_gb_s']:.1f} GB/s")
+        print(
+            f"  prefill {result['prefill_time_s']:.2f}s, decode {result['decode_time_s']:.2f}s "
+            f"over {result['num_decode_steps']} steps ({result['mean_decode_step_ms']:.2f} "
+            f"ms/step), decode bandwidth (est.) {result['decode_bandwidth_gb_s']:.1f} GB/s"
+        )
 
 
 # -- peers side by side ---------------------------------------------------------------------
 
+
 def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[str]:
     """This run's resolved arguments for one engine in its own process."""
     argv = ["--preset", args.preset] if args.preset else ["--model", args.model]
-    for name in (*DEFAULT_WORKLOAD, "seed", "temperature", "dtype", "device", "tp",
-                 "max_model_len", "kv_cache_gib", "threads", "hf_batch_size", "scheduling_policy"):
+    for name in (
+        *DEFAULT_WORKLOAD,
+        "seed",
+        "temperature",
+        "dtype",
+        "device",
+        "tp",
+        "max_model_len",
+        "kv_cache_gib",
+        "threads",
+        "hf_batch_size",
+        "scheduling_policy",
+    ):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.enforce_eager:
@@ -373,31 +539,50 @@ def main(argv: list[str] | None = None) -> None:
         print_result(results[0])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": machine(),
-                       "results": results}, f, indent=2)
+            json.dump({"args": vars(args), "machine": machine(), "results": results}, f, indent=2)
 
 
 # The vector and matrix extensions worth naming: what the CPU computes natively.
-CPU_EXTENSIONS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
-                  "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "asimd", "sve")
+CPU_EXTENSIONS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "amx_fp16",
+    "asimd",
+    "sve",
+)
 
 
 def machine() -> dict:
     """What the figures were measured on, and how busy it was (1-minute load average)."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
     lines = cpuinfo.splitlines()
-    cpu = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")),
-               "unknown")
-    flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith(("flags", "Features"))),
-                 [])
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
-            "cpu_extensions": [f for f in CPU_EXTENSIONS if f in flags],
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    cpu = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "unknown")
+    flags = next(
+        (x.split(":", 1)[1].split() for x in lines if x.startswith(("flags", "Features"))), []
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_avg_1min": os.getloadavg()[0],
+        "cpu_extensions": [f for f in CPU_EXTENSIONS if f in flags],
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def print_machine(m: dict) -> None:
-    print(f"CPU: {m['cpu']} ({m['cores']} cores; {' '.join(m['cpu_extensions']) or 'no'} "
-          f"extensions), load average {m['load_avg_1min']:.2f}")
+    print(
+        f"CPU: {m['cpu']} ({m['cores']} cores; {' '.join(m['cpu_extensions']) or 'no'} "
+        f"extensions), load average {m['load_avg_1min']:.2f}"
+    )
 
 
 if __name__ == "__main__":

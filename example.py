@@ -6,6 +6,7 @@ MODEL_DIR defaults to ~/huggingface/Qwen3-0.6B/. When that does not exist, a tin
 random Qwen3 checkpoint is built once under ~/.cache/nanovllm/ and used instead, so
 the example runs on a fresh machine with no download (its text is noise).
 """
+
 import os
 import sys
 
@@ -22,9 +23,11 @@ def pick_model() -> str:
     from nanovllm.models.demo import demo_checkpoint
 
     path = str(demo_checkpoint())
-    print(f"No model at {DEFAULT_MODEL}: running a tiny RANDOM demo checkpoint ({path}).\n"
-          "Its output is meaningless. For real text, download Qwen3-0.6B, e.g.\n"
-          "  huggingface-cli download Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B/\n")
+    print(
+        f"No model at {DEFAULT_MODEL}: running a tiny RANDOM demo checkpoint ({path}).\n"
+        "Its output is meaningless. For real text, download Qwen3-0.6B, e.g.\n"
+        "  huggingface-cli download Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B/\n"
+    )
     return path
 
 
@@ -33,8 +36,12 @@ def main() -> None:
     sampling_params = SamplingParams(temperature=0.6, max_tokens=256)
     prompts = ["introduce yourself", "list all prime numbers within 100"]
     prompts = [
-        llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                          add_generation_prompt=True, enable_thinking=True)
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=True,
+        )
         for prompt in prompts
     ]
     outputs = llm.generate(prompts, sampling_params)

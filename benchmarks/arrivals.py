@@ -9,6 +9,7 @@ throughput, time to first token (TTFT) and inter-token latency (ITL: the gap bet
 request's consecutive tokens) at p50 / p99 / max. The policies run alternately, each on
 its own engine, the same arrivals through each.
 """
+
 import argparse
 import os
 import random
@@ -22,11 +23,21 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.models.demo import demo_checkpoint, write_weightless_checkpoint
 
 CPU_SMALL = {  # bench.py's cpu-small shape
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64,
-    "hidden_act": "silu", "hidden_size": 256, "initializer_range": 0.02,
-    "intermediate_size": 768, "max_position_embeddings": 4096, "num_attention_heads": 4,
-    "num_hidden_layers": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000, "tie_word_embeddings": True, "torch_dtype": "float32",
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 768,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
     "vocab_size": 4096,
 }
 
@@ -51,8 +62,9 @@ def run(llm: LLM, requests) -> dict[str, float]:
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
             t, prompt, n = pending.pop(0)
-            sid = llm.add_request(prompt, SamplingParams(temperature=0.6, max_tokens=n,
-                                                         ignore_eos=True))
+            sid = llm.add_request(
+                prompt, SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True)
+            )
             arrival[sid], token_times[sid] = t, []
             seq_of[sid] = next(s for s in llm.scheduler.waiting if s.seq_id == sid)
         if llm.is_finished():
@@ -67,8 +79,14 @@ def run(llm: LLM, requests) -> dict[str, float]:
     ttft = [times[0] - arrival[sid] for sid, times in token_times.items()]
     itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
     tokens = sum(len(times) for times in token_times.values())
-    return {"tok/s": tokens / elapsed, "ttft p50": pct(ttft, 50), "ttft p99": pct(ttft, 99),
-            "itl p50": pct(itl, 50), "itl p99": pct(itl, 99), "itl max": 1e3 * max(itl)}
+    return {
+        "tok/s": tokens / elapsed,
+        "ttft p50": pct(ttft, 50),
+        "ttft p99": pct(ttft, 99),
+        "itl p50": pct(itl, 50),
+        "itl p99": pct(itl, 99),
+        "itl max": 1e3 * max(itl),
+    }
 
 
 def pct(values: list[float], p: float) -> float:
@@ -93,17 +111,33 @@ def main() -> None:
         if args.model == "demo":
             path, extra = demo_checkpoint(), {}
         else:
-            path, extra = write_weightless_checkpoint(Path(tmp) / "m", CPU_SMALL), {"load_format": "dummy"}
-        print(f"{args.model}, {args.requests} requests at {args.rate}/s, lengths "
-              f"{args.min_len}-{args.max_len}, max_num_batched_tokens "
-              f"{args.max_num_batched_tokens}, {args.threads} thread(s), load "
-              f"{os.getloadavg()[0]:.1f}")
-        print(f"{'policy':>14} " + " ".join(f"{k:>9}" for k in
-                                            ("tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "itl max")))
+            path, extra = (
+                write_weightless_checkpoint(Path(tmp) / "m", CPU_SMALL),
+                {"load_format": "dummy"},
+            )
+        print(
+            f"{args.model}, {args.requests} requests at {args.rate}/s, lengths "
+            f"{args.min_len}-{args.max_len}, max_num_batched_tokens "
+            f"{args.max_num_batched_tokens}, {args.threads} thread(s), load "
+            f"{os.getloadavg()[0]:.1f}"
+        )
+        print(
+            f"{'policy':>14} "
+            + " ".join(
+                f"{k:>9}"
+                for k in ("tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "itl max")
+            )
+        )
         for policy in ("mixed", "prefill_first", "mixed", "prefill_first"):
-            with LLM(str(path), device="cpu", kvcache_block_size=16, cpu_kvcache_space_gib=1.0,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     scheduling_policy=policy, **extra) as llm:
+            with LLM(
+                str(path),
+                device="cpu",
+                kvcache_block_size=16,
+                cpu_kvcache_space_gib=1.0,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                scheduling_policy=policy,
+                **extra,
+            ) as llm:
                 r = run(llm, requests)
             print(f"{policy:>14} " + " ".join(f"{v:>9.1f}" for v in r.values()))
 

@@ -1,5 +1,6 @@
 """bench.py --compare: each engine in its own process group, its memory polled from
 outside, and the results side by side in one table."""
+
 import os
 import signal
 import subprocess
@@ -8,18 +9,19 @@ from typing import NamedTuple
 
 
 class GroupRun(NamedTuple):
-    status: str                   # "ok", "failed (exit N)" or "timed out (Ns)"
+    status: str  # "ok", "failed (exit N)" or "timed out (Ns)"
     stderr: str
-    peak_rss_mib: float           # resident memory summed over the group's processes
-    peak_gpu_mib: float | None    # CUDA memory in use above the level before the start
+    peak_rss_mib: float  # resident memory summed over the group's processes
+    peak_gpu_mib: float | None  # CUDA memory in use above the level before the start
 
 
 def run_in_process_group(cmd: list[str], timeout: float, cuda: bool) -> GroupRun:
     """Run `cmd` in a new session and kill its whole process group afterwards, whatever
     happened (vLLM leaves helper processes behind)."""
     monitor = MemoryMonitor(cuda)
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     monitor.start(proc.pid)
     try:
         _, stderr = proc.communicate(timeout=timeout)
@@ -94,19 +96,35 @@ def _proc_stats():
 def print_table(results: list[dict]) -> None:
     ours = results[0]
     gpu = any(r.get("peak_gpu_mib") is not None for r in results)
-    rows = [["engine", "output tok/s", "total tok/s", "time (s)", "peak RSS (MiB)",
-             *(["peak GPU (MiB)"] if gpu else []), "nanovllm / engine"]]
+    rows = [
+        [
+            "engine",
+            "output tok/s",
+            "total tok/s",
+            "time (s)",
+            "peak RSS (MiB)",
+            *(["peak GPU (MiB)"] if gpu else []),
+            "nanovllm / engine",
+        ]
+    ]
     for r in results:
         if r["status"] != "ok":
             rows.append([r["engine"], r["status"]] + [""] * (len(rows[0]) - 2))
             continue
-        ratio = (f"{ours['output_tok_s'] / r['output_tok_s']:.2f}x"
-                 if ours["status"] == "ok" else "")
+        ratio = f"{ours['output_tok_s'] / r['output_tok_s']:.2f}x" if ours["status"] == "ok" else ""
         memory = [f"{r['peak_rss_mib']:.0f}"]
         if gpu:
             memory.append(f"{r['peak_gpu_mib']:.0f}" if r.get("peak_gpu_mib") is not None else "")
-        rows.append([r["engine"], f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
-                     f"{r['time_s']:.2f}", *memory, ratio])
+        rows.append(
+            [
+                r["engine"],
+                f"{r['output_tok_s']:.1f}",
+                f"{r['total_tok_s']:.1f}",
+                f"{r['time_s']:.2f}",
+                *memory,
+                ratio,
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -1,19 +1,21 @@
 """Eager vs torch.compile'd small ops (nanovllm/layers/compilation.py) on Qwen3-0.6B's
 shapes, per call, on the CPU or a CUDA GPU:
 
-    python benchmarks/compiled_ops.py [--device cpu|cuda] [--dtype bfloat16] [--tokens 1 64 256 2048]
+    python benchmarks/compiled_ops.py [--device cpu|cuda] [--dtype bfloat16] \
+        [--tokens 1 64 256 2048]
 
 Prints each op's time eager and compiled at each token count, the speed-up, and the
 one-off compile time. The layers use the compiled ops only where they pay (see
 compilation.py): this is the measurement behind that choice.
 """
+
 import argparse
 import time
 
 import torch
 
-from nanovllm.layers.activation import silu_and_mul
 from nanovllm.compilation import HotOp
+from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
 from nanovllm.sampling.sampler import softmax_race
@@ -25,6 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def op_inputs(tokens: int, dtype: torch.dtype, device: str) -> dict[str, tuple[HotOp, tuple]]:
     """Each op with arguments shaped as in one Qwen3-0.6B layer (the sampler: one row per
     token, as in a decode batch)."""
+
     def randn(*shape, dt=dtype):
         return torch.randn(*shape, dtype=dt, device=device)
 
@@ -36,8 +39,10 @@ def op_inputs(tokens: int, dtype: torch.dtype, device: str) -> dict[str, tuple[H
         "add_rms_norm": (add_rms_norm, (randn(tokens, HIDDEN), randn(tokens, HIDDEN), weight, eps)),
         "q_norm": (rms_norm, (randn(tokens, HEADS, HEAD_DIM), randn(HEAD_DIM), eps)),
         "silu_and_mul": (silu_and_mul, (randn(tokens, 2 * INTERMEDIATE),)),
-        "rotary": (apply_rotary_emb, (positions, randn(tokens, HEADS, HEAD_DIM),
-                                      randn(tokens, KV_HEADS, HEAD_DIM), cache)),
+        "rotary": (
+            apply_rotary_emb,
+            (positions, randn(tokens, HEADS, HEAD_DIM), randn(tokens, KV_HEADS, HEAD_DIM), cache),
+        ),
         "softmax_race": (softmax_race, (randn(min(tokens, 512), VOCAB, dt=torch.float32),)),
     }
 
@@ -45,6 +50,7 @@ def op_inputs(tokens: int, dtype: torch.dtype, device: str) -> dict[str, tuple[H
 def time_call(fn, args, device: str, min_time_s: float = 0.2) -> float:
     """Seconds per call: the fastest of batches of 10 calls lasting >= min_time_s in all
     (the least disturbed by other load on the machine)."""
+
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -73,9 +79,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     compiled: dict[str, object] = {}
-    print(f"{args.device} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'op':<14} {'tokens':>6} {'eager us':>10} {'compiled us':>12} {'speed-up':>9} "
-          f"{'compile s':>10}")
+    print(
+        f"{args.device} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'op':<14} {'tokens':>6} {'eager us':>10} {'compiled us':>12} {'speed-up':>9} "
+        f"{'compile s':>10}"
+    )
     with torch.inference_mode():
         for tokens in args.tokens:
             for name, (op, op_args) in op_inputs(tokens, dtype, args.device).items():
@@ -85,8 +95,10 @@ def main() -> None:
                 compile_s = time.perf_counter() - start
                 eager_s = time_call(op.eager, op_args, args.device)
                 compiled_s = time_call(fn, op_args, args.device)
-                print(f"{name:<14} {tokens:>6} {eager_s * 1e6:>10.1f} {compiled_s * 1e6:>12.1f} "
-                      f"{eager_s / compiled_s:>8.2f}x {compile_s:>10.1f}")
+                print(
+                    f"{name:<14} {tokens:>6} {eager_s * 1e6:>10.1f} {compiled_s * 1e6:>12.1f} "
+                    f"{eager_s / compiled_s:>8.2f}x {compile_s:>10.1f}"
+                )
 
 
 if __name__ == "__main__":

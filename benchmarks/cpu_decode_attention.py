@@ -8,17 +8,21 @@ Qwen3-0.6B's (16 / 8 / 128, float32 and bfloat16), 256-token blocks, context len
 uniform in [16, 512). Prints the 1-minute load average: other work on the cores skews
 both columns alike, since they alternate.
 """
+
 import argparse
 import os
 import time
 
 import torch
 
-from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.backend import TorchBackend
+from nanovllm.attention.metadata import AttentionMetadata
 
-SHAPES = {"cpu-small f32": (4, 2, 64, torch.float32), "0.6b f32": (16, 8, 128, torch.float32),
-          "0.6b bf16": (16, 8, 128, torch.bfloat16)}
+SHAPES = {
+    "cpu-small f32": (4, 2, 64, torch.float32),
+    "0.6b f32": (16, 8, 128, torch.float32),
+    "0.6b bf16": (16, 8, 128, torch.bfloat16),
+}
 BLOCK = 256
 
 
@@ -27,13 +31,15 @@ def decode_step(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     lens = torch.randint(16, 512, (num_seqs,), generator=g, dtype=torch.int32)
     blocks = -(-lens // BLOCK)
     num_blocks = int(blocks.sum())
-    cache = [torch.randn(num_blocks, BLOCK, num_kv_heads, head_dim, generator=g).to(dtype)
-             for _ in range(2)]
+    cache = [
+        torch.randn(num_blocks, BLOCK, num_kv_heads, head_dim, generator=g).to(dtype)
+        for _ in range(2)
+    ]
     ids = torch.randperm(num_blocks, generator=g).int()
     tables = torch.full((num_seqs, int(blocks.max())), -1, dtype=torch.int32)
     start = 0
     for i, n in enumerate(blocks.tolist()):
-        tables[i, :n] = ids[start:start + n]
+        tables[i, :n] = ids[start : start + n]
         start += n
     ctx = AttentionMetadata(block_tables=tables, context_lens=lens)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)

@@ -7,6 +7,7 @@ Weights: cpu-small's MLP and Qwen3-0.6B's (gate+up, down) and its LM head; rows 
 decode batch of 1 to a prefill of 8192 tokens. Prints the CPU's load average: other work
 skews both columns alike, since they alternate.
 """
+
 import argparse
 import os
 import time
@@ -14,8 +15,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-WEIGHTS = {"cpu-small gate_up": (1536, 256), "0.6b gate_up": (6144, 1024),
-           "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024)}
+WEIGHTS = {
+    "cpu-small gate_up": (1536, 256),
+    "0.6b gate_up": (6144, 1024),
+    "0.6b down": (1024, 3072),
+    "0.6b lm_head": (151936, 1024),
+}
 ROWS = (1, 8, 32, 128, 512, 2048, 8192)
 
 
@@ -48,9 +53,13 @@ def main() -> None:
                     continue  # the LM head computes only each sequence's last row
                 x = torch.randn(rows, in_features, generator=g).to(dtype)
                 repeats = max(3, min(50, 2**24 // (rows * out_features)))
-                mkl = best_ms(lambda: F.linear(x, weight), repeats)
-                onednn = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(
-                    x, packed, None, "none", [], ""), repeats)
+                mkl = best_ms(lambda x=x, weight=weight: F.linear(x, weight), repeats)
+                onednn = best_ms(
+                    lambda x=x, packed=packed: torch.ops.mkldnn._linear_pointwise(
+                        x, packed, None, "none", [], ""
+                    ),
+                    repeats,
+                )
                 print(f"{name:>18} {rows:>5} {mkl:>12.3f} {onednn:>10.3f} {mkl / onednn:>7.2f}x")
 
 

@@ -8,6 +8,7 @@ cpu-small at 128, Qwen3-0.6B at 32 and at 1; a prefill of 2048 rows of Qwen3-0.6
 threads question. Each round times every op eager then native (the median of many calls
 each); the table gives the medians over the rounds, since this machine's speed drifts.
 """
+
 import argparse
 import os
 import statistics
@@ -20,9 +21,13 @@ from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
 from nanovllm.runner.device import keep_freed_host_memory
 
-SHAPES = {"tiny 256": (256, 32, 2, 1, 16), "cpu-small 128": (128, 256, 4, 2, 64),
-          "0.6b 32": (32, 1024, 16, 8, 128), "0.6b 1": (1, 1024, 16, 8, 128),
-          "0.6b prefill 2048": (2048, 1024, 16, 8, 128)}
+SHAPES = {
+    "tiny 256": (256, 32, 2, 1, 16),
+    "cpu-small 128": (128, 256, 4, 2, 64),
+    "0.6b 32": (32, 1024, 16, 8, 128),
+    "0.6b 1": (1, 1024, 16, 8, 128),
+    "0.6b prefill 2048": (2048, 1024, 16, 8, 128),
+}
 
 
 def op_args(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int, dtype):
@@ -36,10 +41,12 @@ def op_args(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int, dt
     head_weight = torch.randn(head_dim, generator=g).to(dtype)
     cache = get_rope(head_dim, 4096, {"rope_theta": 1e6}).cos_sin_cache
     positions = torch.randint(0, 4096, (rows,), generator=g)
-    return {"rms_norm": (rms_norm, (x, weight, 1e-6)),
-            "add_rms_norm": (add_rms_norm, (x, residual, weight, 1e-6)),
-            "q_norm": (rms_norm, (q, head_weight, 1e-6)),
-            "rotary": (apply_rotary_emb, (positions, q, k, cache))}
+    return {
+        "rms_norm": (rms_norm, (x, weight, 1e-6)),
+        "add_rms_norm": (add_rms_norm, (x, residual, weight, 1e-6)),
+        "q_norm": (rms_norm, (q, head_weight, 1e-6)),
+        "rotary": (apply_rotary_emb, (positions, q, k, cache)),
+    }
 
 
 def median_us(fn, args: tuple, calls: int) -> float:

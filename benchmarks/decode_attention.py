@@ -6,6 +6,7 @@ Decode reads every cached K and V row once, so its floor is (bytes of K/V read) 
 (copy bandwidth measured here). Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV
 heads, head_dim 128), bfloat16, 256-token blocks, every sequence at the same length.
 """
+
 import torch
 from triton.testing import do_bench
 
@@ -32,23 +33,31 @@ def time_decode(num_seqs: int, context_len: int, num_splits: int | None) -> tupl
     block_tables = torch.randperm(shape[0], device="cuda", dtype=torch.int32).view(num_seqs, -1)
     context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device="cuda")
     q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    ms = do_bench(lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                                 HEAD_DIM ** -0.5, num_splits=num_splits))
+    ms = do_bench(
+        lambda: paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, HEAD_DIM**-0.5, num_splits=num_splits
+        )
+    )
     return ms, 2 * num_seqs * context_len * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
 
 def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'seqs':>5} {'context':>7} {'splits':>6} {'ms':>8} {'floor ms':>8} {'GB/s':>6} {'of floor':>8}")
+    print(
+        f"{'seqs':>5} {'context':>7} {'splits':>6} {'ms':>8} {'floor ms':>8} {'GB/s':>6} "
+        f"{'of floor':>8}"
+    )
     for num_seqs in (1, 8, 64, 256, 512):
         for context_len in (512, 4096):
             auto = decode_num_splits(num_seqs, NUM_KV_HEADS, context_len, torch.device("cuda"))
             for num_splits in sorted({1, auto}):
                 ms, nbytes = time_decode(num_seqs, context_len, num_splits)
                 floor_ms = nbytes / bandwidth * 1e3
-                print(f"{num_seqs:>5} {context_len:>7} {num_splits:>6} {ms:>8.3f} {floor_ms:>8.3f} "
-                      f"{nbytes / (ms * 1e-3) / 1e9:>6.0f} {floor_ms / ms:>8.0%}")
+                print(
+                    f"{num_seqs:>5} {context_len:>7} {num_splits:>6} {ms:>8.3f} {floor_ms:>8.3f} "
+                    f"{nbytes / (ms * 1e-3) / 1e9:>6.0f} {floor_ms / ms:>8.0%}"
+                )
             torch.cuda.empty_cache()
 
 

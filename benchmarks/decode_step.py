@@ -22,6 +22,7 @@ queued behind it:
 
 step = schedule + launch + wait + post; step - gpu is what host work costs per step.
 """
+
 import argparse
 import os
 import statistics
@@ -54,8 +55,9 @@ def decode_until_all_running(llm: LLM) -> None:
 def time_steps(llm: LLM, steps: int, cycles_per_ms: float) -> dict[str, float]:
     """Median milliseconds of each part over `steps` idle and `steps` busy decode steps."""
     scheduler, runner = llm.scheduler, llm.model_runner
-    parts: dict[str, list[float]] = {k: [] for k in
-                                     ("schedule", "launch", "wait", "post", "launch busy", "gpu")}
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("schedule", "launch", "wait", "post", "launch busy", "gpu")
+    }
     for i in range(2 * steps):
         busy = i % 2 == 1
         t0 = time.perf_counter()
@@ -80,8 +82,12 @@ def time_steps(llm: LLM, steps: int, cycles_per_ms: float) -> dict[str, float]:
             parts["launch busy"].append((t2 - t1) * 1e3)
             parts["gpu"].append(start.elapsed_time(end))
         else:
-            for name, ms in (("schedule", t1 - t0), ("launch", t2 - t1), ("wait", t3 - t2),
-                             ("post", t4 - t3)):
+            for name, ms in (
+                ("schedule", t1 - t0),
+                ("launch", t2 - t1),
+                ("wait", t3 - t2),
+                ("post", t4 - t3),
+            ):
                 parts[name].append(ms * 1e3)
     result = {name: statistics.median(values) for name, values in parts.items()}
     result["step"] = sum(result[k] for k in ("schedule", "launch", "wait", "post"))
@@ -101,13 +107,22 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_weightless_checkpoint(os.path.join(tmp, "qwen3-0.6b"))
-        with LLM(path, load_format="dummy", dtype="bfloat16", enforce_eager=args.enforce_eager,
-                 max_model_len=args.context + 4 * args.steps + 64) as llm:
+        with LLM(
+            path,
+            load_format="dummy",
+            dtype="bfloat16",
+            enforce_eager=args.enforce_eager,
+            max_model_len=args.context + 4 * args.steps + 64,
+        ) as llm:
             mode = "eager" if args.enforce_eager else "graphs"
-            print(f"{torch.cuda.get_device_name()}, {mode}, context {args.context}; "
-                  f"median ms per decode step")
-            print(f"{'batch':>5} {'step':>7} {'gpu':>7} {'host':>7} {'schedule':>8} "
-                  f"{'launch':>7} {'wait':>7} {'post':>7} {'launch busy':>11}")
+            print(
+                f"{torch.cuda.get_device_name()}, {mode}, context {args.context}; "
+                f"median ms per decode step"
+            )
+            print(
+                f"{'batch':>5} {'step':>7} {'gpu':>7} {'host':>7} {'schedule':>8} "
+                f"{'launch':>7} {'wait':>7} {'post':>7} {'launch busy':>11}"
+            )
             params = SamplingParams(temperature=0.6, max_tokens=4 * args.steps + 8, ignore_eos=True)
             for batch in args.batch:
                 for _ in range(batch):  # token ids below 10000, as nano-vLLM's benchmark
@@ -117,9 +132,11 @@ def main() -> None:
                 r = time_steps(llm, args.steps, cycles_per_ms)
                 while not llm.is_finished():
                     llm.step()
-                print(f"{batch:>5} {r['step']:>7.2f} {r['gpu']:>7.2f} {r['step'] - r['gpu']:>7.2f} "
-                      f"{r['schedule']:>8.2f} {r['launch']:>7.2f} {r['wait']:>7.2f} "
-                      f"{r['post']:>7.2f} {r['launch busy']:>11.2f}")
+                print(
+                    f"{batch:>5} {r['step']:>7.2f} {r['gpu']:>7.2f} {r['step'] - r['gpu']:>7.2f} "
+                    f"{r['schedule']:>8.2f} {r['launch']:>7.2f} {r['wait']:>7.2f} "
+                    f"{r['post']:>7.2f} {r['launch busy']:>11.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Each runner takes the same workload (token-id prompts, one output length per req
 figures as a dict: status, time_s, output_tokens, and what else it can tell.
 Only token ids are produced: no engine spends timed work on detokenizing.
 """
+
 import os
 import resource
 from time import perf_counter
@@ -29,19 +30,31 @@ def _peak_gpu_mib() -> float | None:
 
 # -- nanovllm -------------------------------------------------------------------------------
 
+
 def run_nanovllm(args, spec, workload) -> dict:
     from nanovllm import LLM, SamplingParams
 
-    llm = LLM(spec.path, load_format=spec.load_format, dtype=spec.dtype, device=args.device,
-              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
-              max_model_len=args.max_model_len, cpu_kvcache_space_gib=args.kv_cache_gib,
-              scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling)
+    llm = LLM(
+        spec.path,
+        load_format=spec.load_format,
+        dtype=spec.dtype,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tp,
+        max_model_len=args.max_model_len,
+        cpu_kvcache_space_gib=args.kv_cache_gib,
+        scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
+    )
     try:
-        warmup = SamplingParams(temperature=args.temperature, max_tokens=WARMUP_TOKENS,
-                                ignore_eos=True)
+        warmup = SamplingParams(
+            temperature=args.temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True
+        )
         llm.generate(warmup_prompts(workload), warmup, use_tqdm=False)
-        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True)
-                  for n in workload.output_lens]
+        params = [
+            SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True)
+            for n in workload.output_lens
+        ]
         result = _timed_steps(llm, workload.prompts, params)
         result["peak_gpu_mib"] = _peak_gpu_mib()
         # what dtype="auto" chose on this machine
@@ -70,9 +83,14 @@ def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:
             decode_s += elapsed
             num_decode_steps += 1
         output_tokens += sum(len(o.token_ids) for o in out.finished)
-    return {"status": "ok", "time_s": perf_counter() - start, "output_tokens": output_tokens,
-            "prefill_time_s": prefill_s, "decode_time_s": decode_s,
-            "num_decode_steps": num_decode_steps}
+    return {
+        "status": "ok",
+        "time_s": perf_counter() - start,
+        "output_tokens": output_tokens,
+        "prefill_time_s": prefill_s,
+        "decode_time_s": decode_s,
+        "num_decode_steps": num_decode_steps,
+    }
 
 
 def decode_figures(result: dict, hf_config: dict, dtype: str, workload) -> dict:
@@ -83,21 +101,32 @@ def decode_figures(result: dict, hf_config: dict, dtype: str, workload) -> dict:
         return {"mean_decode_step_ms": None, "decode_bandwidth_gb_s": None}
     itemsize = _ITEMSIZE[dtype]
     # Output token j >= 2 of a request comes from a decode step over P + j - 1 tokens.
-    kv_tokens = sum((n - 1) * len(p) + (n - 1) * n // 2
-                    for p, n in zip(workload.prompts, workload.output_lens))
+    kv_tokens = sum(
+        (n - 1) * len(p) + (n - 1) * n // 2 for p, n in zip(workload.prompts, workload.output_lens)
+    )
     read = steps * weight_bytes_per_step(hf_config, itemsize) + kv_tokens * kv_bytes_per_token(
-        hf_config, itemsize)
-    return {"mean_decode_step_ms": 1e3 * result["decode_time_s"] / steps,
-            "decode_bandwidth_gb_s": read / result["decode_time_s"] / 1e9}
+        hf_config, itemsize
+    )
+    return {
+        "mean_decode_step_ms": 1e3 * result["decode_time_s"] / steps,
+        "decode_bandwidth_gb_s": read / result["decode_time_s"] / 1e9,
+    }
 
 
 def weight_bytes_per_step(c: dict, itemsize: int) -> int:
     """Every weight is read once per step, except an untied input embedding (a lookup)."""
-    hidden, head_dim = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c[
-        "num_attention_heads"]
+    hidden, head_dim = (
+        c["hidden_size"],
+        c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+    )
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    layer = (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * c["intermediate_size"]
-             + 2 * hidden + 2 * head_dim)
+    layer = (
+        hidden * (q + 2 * kv)
+        + q * hidden
+        + 3 * hidden * c["intermediate_size"]
+        + 2 * hidden
+        + 2 * head_dim
+    )
     return itemsize * (c["num_hidden_layers"] * layer + hidden + c["vocab_size"] * hidden)
 
 
@@ -107,6 +136,7 @@ def kv_bytes_per_token(c: dict, itemsize: int) -> int:
 
 
 # -- transformers ---------------------------------------------------------------------------
+
 
 def run_hf(args, spec, workload) -> dict:
     """transformers generate() as its users batch it: fixed-size batches in request order,
@@ -122,20 +152,27 @@ def run_hf(args, spec, workload) -> dict:
     generate(warmup_prompts(workload), WARMUP_TOKENS)
     start = perf_counter()
     for i in range(0, len(workload.prompts), args.hf_batch_size):
-        generate(workload.prompts[i:i + args.hf_batch_size],
-                 max(workload.output_lens[i:i + args.hf_batch_size]))
+        generate(
+            workload.prompts[i : i + args.hf_batch_size],
+            max(workload.output_lens[i : i + args.hf_batch_size]),
+        )
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return {"status": "ok", "time_s": perf_counter() - start,
-            "output_tokens": workload.num_output_tokens, "peak_gpu_mib": _peak_gpu_mib()}
+    return {
+        "status": "ok",
+        "time_s": perf_counter() - start,
+        "output_tokens": workload.num_output_tokens,
+        "peak_gpu_mib": _peak_gpu_mib(),
+    }
 
 
 def _hf_model(args, spec):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    device = torch.device(args.device if args.device != "auto" else
-                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     config = AutoConfig.from_pretrained(spec.path)
     dtype = getattr(torch, spec.dtype)
     if spec.load_format == "dummy":
@@ -149,25 +186,33 @@ def _hf_model(args, spec):
 def _hf_generate(model, device, temperature: float):
     import torch
 
-    sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-                if temperature > 0 else {"do_sample": False})
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> None:
         width = max(map(len, prompts))
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt):] = 1
-        out = model.generate(input_ids=input_ids.to(device),
-                             attention_mask=attention_mask.to(device),
-                             max_new_tokens=max_new_tokens, pad_token_id=0, **sampling)
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            **sampling,
+        )
         assert out.shape[1] == width + max_new_tokens, "generate stopped early"
 
     return generate
 
 
 # -- vLLM -----------------------------------------------------------------------------------
+
 
 def run_vllm(args, spec, workload) -> dict:
     """vllm.LLM with the same sampling parameters. Its CPU build sizes the KV cache from
@@ -177,9 +222,15 @@ def run_vllm(args, spec, workload) -> dict:
     except ImportError as e:
         return {"status": "not installed", "error": f"import vllm: {e}"}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_gib))))
-    llm = vllm.LLM(model=spec.path, load_format=spec.load_format, dtype=spec.dtype,
-                   max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                   tensor_parallel_size=args.tp, seed=args.seed)
+    llm = vllm.LLM(
+        model=spec.path,
+        load_format=spec.load_format,
+        dtype=spec.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tp,
+        seed=args.seed,
+    )
     try:
         generate = _vllm_generate(vllm, llm, args.temperature)
         warmup = warmup_prompts(workload)
@@ -190,16 +241,24 @@ def run_vllm(args, spec, workload) -> dict:
     finally:
         # Its engine-core and worker processes otherwise keep the interpreter alive.
         llm.llm_engine.engine_core.shutdown()
-    return {"status": "ok", "time_s": elapsed, "output_tokens": output_tokens,
-            "peak_gpu_mib": None, "vllm_version": vllm.__version__}
+    return {
+        "status": "ok",
+        "time_s": elapsed,
+        "output_tokens": output_tokens,
+        "peak_gpu_mib": None,
+        "vllm_version": vllm.__version__,
+    }
 
 
 def _vllm_generate(vllm, llm, temperature: float):
     def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
-        params = [vllm.SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
-                                      detokenize=False) for n in output_lens]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
+        params = [
+            vllm.SamplingParams(
+                temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False
+            )
+            for n in output_lens
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
     return generate

@@ -14,6 +14,7 @@ and so are the parts: schedule (Scheduler.schedule), inputs (the step's tensors)
 sampling (the sampling metadata), sampler (the sampler itself: device work on a GPU)
 and post (Scheduler.advance + accept, which make postprocess).
 """
+
 import argparse
 import statistics
 import tempfile
@@ -36,6 +37,7 @@ def timed(fn, totals: list[float]):
             return fn(*args, **kwargs)
         finally:
             totals[0] += time.perf_counter() - start
+
     return wrapper
 
 
@@ -48,8 +50,9 @@ def wrap_parts(llm: LLM) -> dict[str, list[float]]:
     sampler = llm.model_runner.sampler
     sampler.forward = timed(sampler.forward, totals["sampler"])
     model_runner.prepare_inputs = timed(model_runner.prepare_inputs, totals["inputs"])
-    model_runner.build_sampling_metadata = timed(model_runner.build_sampling_metadata,
-                                                 totals["sampling"])
+    model_runner.build_sampling_metadata = timed(
+        model_runner.build_sampling_metadata, totals["sampling"]
+    )
     return totals
 
 
@@ -97,16 +100,30 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
-            path = build_tiny_qwen3(Path(tmp) / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                    num_kv_heads=1, head_dim=16, intermediate_size=32)
+            path = build_tiny_qwen3(
+                Path(tmp) / "tiny",
+                hidden_size=32,
+                num_layers=1,
+                num_heads=2,
+                num_kv_heads=1,
+                head_dim=16,
+                intermediate_size=32,
+            )
         else:
             path = demo_checkpoint()
-        print(f"{args.model} model, {args.threads} thread(s), context {args.context}; "
-              f"median ms per decode step")
+        print(
+            f"{args.model} model, {args.threads} thread(s), context {args.context}; "
+            f"median ms per decode step"
+        )
         print(f"{'batch':>5} " + " ".join(f"{name:>8}" for name in ("step", "host", *PARTS)))
         for batch in args.batch:  # a fresh engine each: the wrappers are its own
-            with LLM(str(path), device="cpu", max_num_seqs=batch, kvcache_block_size=16,
-                     max_model_len=args.context + args.steps + 64) as llm:
+            with LLM(
+                str(path),
+                device="cpu",
+                max_num_seqs=batch,
+                kvcache_block_size=16,
+                max_model_len=args.context + args.steps + 64,
+            ) as llm:
                 r = measure(llm, batch, args.context, args.steps)
             print(f"{batch:>5} " + " ".join(f"{r[n]:>8.3f}" for n in ("step", "host", *PARTS)))
 

@@ -11,6 +11,7 @@ are admitted together and all computed (identical blocks computed in the same st
 not shared). The two kinds take turns; each reports its fastest run (the least disturbed
 by other load). The prompt tokens counted are each step's num_prefill_tokens.
 """
+
 import argparse
 import tempfile
 import time
@@ -41,8 +42,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch CPU threads (0 = torch's default); 1 is steadier on a busy machine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0 = torch's default); 1 is steadier on a busy machine",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,8 +56,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         write_weightless_checkpoint(path, config)
         block = args.block_size
-        llm = LLM(path, load_format="dummy", max_model_len=4096, kvcache_block_size=block,
-                  num_kvcache_blocks=2 * args.n * 4096 // block)
+        llm = LLM(
+            path,
+            load_format="dummy",
+            max_model_len=4096,
+            kvcache_block_size=block,
+            num_kvcache_blocks=2 * args.n * 4096 // block,
+        )
         print(f"preset {args.preset}, block size {block}, torch threads {torch.get_num_threads()}")
         for length in args.prompt_len:
             best = {}
@@ -60,12 +70,15 @@ def main() -> None:
                 for kind, n, copies in (("n", args.n, 1), ("copies", 1, args.n)):
                     prompt = torch.randint(0, config["vocab_size"], (length,), generator=g).tolist()
                     tokens, seconds = run(llm, prompt, n, copies)
-                    best[kind] = min(best.get(kind, (tokens, seconds)), (tokens, seconds),
-                                     key=lambda r: r[1])
+                    best[kind] = min(
+                        best.get(kind, (tokens, seconds)), (tokens, seconds), key=lambda r: r[1]
+                    )
             (n_tokens, n_s), (c_tokens, c_s) = best["n"], best["copies"]
-            print(f"prompt {length:5d}: n={args.n} {n_tokens:6d} tokens {n_s * 1e3:8.1f} ms | "
-                  f"{args.n} copies {c_tokens:6d} tokens {c_s * 1e3:8.1f} ms | tokens "
-                  f"{n_tokens / c_tokens:.3f}x, time {n_s / c_s:.3f}x")
+            print(
+                f"prompt {length:5d}: n={args.n} {n_tokens:6d} tokens {n_s * 1e3:8.1f} ms | "
+                f"{args.n} copies {c_tokens:6d} tokens {c_s * 1e3:8.1f} ms | tokens "
+                f"{n_tokens / c_tokens:.3f}x, time {n_s / c_s:.3f}x"
+            )
         llm.close()
 
 

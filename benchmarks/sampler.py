@@ -12,6 +12,7 @@ Logprob dicts after it (with their host sync). Configurations take turns step by
 each reports its fastest step (the least disturbed by other load on the machine) and its
 ratio to temperature-only.
 """
+
 import argparse
 import time
 import timeit
@@ -21,8 +22,8 @@ import torch
 from nanovllm.core import Sequence
 from nanovllm.runner.step_inputs import logits_rows
 from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
-from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
 CONFIGS = {
@@ -32,12 +33,28 @@ CONFIGS = {
     "seeded": dict(temperature=0.8, seed=0),
     "top_p": dict(temperature=0.8, top_p=0.9),
     "filters": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
-    "penalties": dict(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5,
-                      frequency_penalty=0.3),
-    "full": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                 presence_penalty=0.5, frequency_penalty=0.3),
-    "full+seed": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                      presence_penalty=0.5, frequency_penalty=0.3, seed=0),
+    "penalties": dict(
+        temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3
+    ),
+    "full": dict(
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+    ),
+    "full+seed": dict(
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        seed=0,
+    ),
     "min_tokens": dict(temperature=0.8, min_tokens=4096, stop_token_ids=[1, 2, 3]),
     "logit_bias": dict(temperature=0.8, logit_bias=dict.fromkeys(range(0, 2000, 20), 2.0)),
     "logprobs=0": dict(temperature=0.8, logprobs=0),
@@ -97,14 +114,20 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch CPU threads (0 = torch's default); 1 is steadier on a busy machine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0 = torch's default); 1 is steadier on a busy machine",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"batch {args.batch}, vocab {args.vocab}, {device}, torch threads "
-          f"{torch.get_num_threads()}, histories {args.prompt_len} + {args.output_len} tokens")
+    print(
+        f"batch {args.batch}, vocab {args.vocab}, {device}, torch threads "
+        f"{torch.get_num_threads()}, histories {args.prompt_len} + {args.output_len} tokens"
+    )
     workloads = {name: Workload(config, args, device) for name, config in CONFIGS.items()}
     for _ in range(args.steps + 1):  # round-robin, so outside load hits every config alike
         for workload in workloads.values():
@@ -112,13 +135,20 @@ def main() -> None:
     results = {name: w.best_ms() for name, w in workloads.items()}
     base = sum(results["temperature"])
     for name, (host_ms, sample_ms) in results.items():
-        print(f"{name:12s} metadata {host_ms:8.1f} ms  sampler {sample_ms:8.1f} ms  "
-              f"total / temperature-only {(host_ms + sample_ms) / base:5.2f}")
+        print(
+            f"{name:12s} metadata {host_ms:8.1f} ms  sampler {sample_ms:8.1f} ms  "
+            f"total / temperature-only {(host_ms + sample_ms) / base:5.2f}"
+        )
     seqs = workloads["temperature"].seqs
-    check = min(timeit.repeat(lambda: find_logprob_rows(seqs, logits_rows(seqs)), number=100,
-                              repeat=5)) / 100
-    print(f"logprobs checks when no sequence asks: {check * 1e6:.1f} us per step "
-          f"({check * 1e3 / base:.3%} of temperature-only)")
+    check = (
+        min(timeit.repeat(lambda: find_logprob_rows(seqs, logits_rows(seqs)), number=100, repeat=5))
+        / 100
+    )
+    print(
+        f"logprobs checks when no sequence asks: {check * 1e6:.1f} us per step "
+        f"({check * 1e3 / base:.3%} of temperature-only)"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ and time per output token (TPOT: a request's first-to-last chunk time over its t
 less one; unlike ITL it does not shrink when a server sends several tokens in a burst)
 at p50 and p99. A server started here runs in its own process group, killed afterwards.
 """
+
 import argparse
 import asyncio
 import os
@@ -41,21 +42,26 @@ NAME = "bench-model"  # the served model name, on both servers
 
 class Sample(NamedTuple):
     ttft_s: float
-    itl_s: list[float]   # gaps between text chunks
-    tpot_s: float        # (last chunk - first chunk) / (output tokens - 1)
+    itl_s: list[float]  # gaps between text chunks
+    tpot_s: float  # (last chunk - first chunk) / (output tokens - 1)
     output_tokens: int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="cpu-small", choices=sorted(bench.PRESETS),
-                   help="the model shape (random weights) and workload (default cpu-small)")
+    p.add_argument(
+        "--preset",
+        default="cpu-small",
+        choices=sorted(bench.PRESETS),
+        help="the model shape (random weights) and workload (default cpu-small)",
+    )
     p.add_argument("--url", help="benchmark this running server (its /v1 URL) instead")
     p.add_argument("--num-clients", type=int, default=16, help="(default 16)")
     p.add_argument("--num-requests", type=int, default=64, help="(default 64)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--kv-cache-gib", type=float, default=2.0,
-                   help="CPU KV cache of both servers (default 2)")
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="CPU KV cache of both servers (default 2)"
+    )
     p.add_argument("--vllm-venv", help="also run vLLM's server from this venv")
     p.add_argument("--start-timeout", type=float, default=600, help="seconds (default 600)")
     return p.parse_args(argv)
@@ -63,36 +69,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     preset = bench.PRESETS[args.preset]
-    lengths = {name: preset.workload.get(name, default)
-               for name, default in bench.DEFAULT_WORKLOAD.items()}
-    workload = bench.make_workload(argparse.Namespace(
-        **dict(lengths, num_seqs=args.num_requests), seed=args.seed), preset.config["vocab_size"])
+    lengths = {
+        name: preset.workload.get(name, default) for name, default in bench.DEFAULT_WORKLOAD.items()
+    }
+    workload = bench.make_workload(
+        argparse.Namespace(**dict(lengths, num_seqs=args.num_requests), seed=args.seed),
+        preset.config["vocab_size"],
+    )
     return list(zip(workload.prompts, workload.output_lens))
 
 
 # -- the clients ------------------------------------------------------------------------------
 
+
 async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> Sample:
     sent = time.perf_counter()
     arrivals, output_tokens = [], 0
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter())
         if chunk.usage is not None:
             output_tokens = chunk.usage.completion_tokens
-    return Sample(arrivals[0] - sent, [b - a for a, b in zip(arrivals, arrivals[1:])],
-                  (arrivals[-1] - arrivals[0]) / max(1, output_tokens - 1), output_tokens)
+    return Sample(
+        arrivals[0] - sent,
+        [b - a for a, b in zip(arrivals, arrivals[1:])],
+        (arrivals[-1] - arrivals[0]) / max(1, output_tokens - 1),
+        output_tokens,
+    )
 
 
-async def run_clients(base_url: str, model: str | None, requests: list[tuple[list[int], int]],
-                      num_clients: int) -> dict:
+async def run_clients(
+    base_url: str, model: str | None, requests: list[tuple[list[int], int]], num_clients: int
+) -> dict:
     import openai
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=3600,
-                                  max_retries=0) as client:
+    async with openai.AsyncOpenAI(
+        base_url=base_url, api_key="unused", timeout=3600, max_retries=0
+    ) as client:
         model = model or (await client.models.list()).data[0].id
         for prompt, _ in requests[:2]:  # warm-up, not timed
             await one_request(client, model, prompt, 8)
@@ -107,10 +129,14 @@ async def run_clients(base_url: str, model: str | None, requests: list[tuple[lis
         await asyncio.gather(*(worker() for _ in range(num_clients)))
         elapsed = time.perf_counter() - start
     itl = [gap for s in samples for gap in s.itl_s]
-    return {"output_tok_s": sum(s.output_tokens for s in samples) / elapsed, "time_s": elapsed,
-            "ttft_ms": percentiles([s.ttft_s for s in samples]), "itl_ms": percentiles(itl),
-            "tpot_ms": percentiles([s.tpot_s for s in samples]),
-            "output_tokens": sum(s.output_tokens for s in samples)}
+    return {
+        "output_tok_s": sum(s.output_tokens for s in samples) / elapsed,
+        "time_s": elapsed,
+        "ttft_ms": percentiles([s.ttft_s for s in samples]),
+        "itl_ms": percentiles(itl),
+        "tpot_ms": percentiles([s.tpot_s for s in samples]),
+        "output_tokens": sum(s.output_tokens for s in samples),
+    }
 
 
 def percentiles(values_s: list[float]) -> tuple[float, float]:
@@ -121,6 +147,7 @@ def percentiles(values_s: list[float]) -> tuple[float, float]:
 
 # -- the servers ------------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -128,30 +155,66 @@ def free_port() -> int:
 
 
 def nanovllm_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "nanovllm", "serve", model, "--port", str(port),
-            "--served-model-name", NAME, "--load-format", "dummy",
-            "--cpu-kvcache-space-gib", str(args.kv_cache_gib)]
+    return [
+        sys.executable,
+        "-m",
+        "nanovllm",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        NAME,
+        "--load-format",
+        "dummy",
+        "--cpu-kvcache-space-gib",
+        str(args.kv_cache_gib),
+    ]
 
 
 def vllm_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
     dtype = bench.PRESETS[args.preset].config.get("torch_dtype", "auto")
-    return [os.path.join(os.path.expanduser(args.vllm_venv), "bin", "python"), "-m",
-            "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-            "--host", "127.0.0.1", "--served-model-name", NAME, "--load-format", "dummy",
-            "--dtype", dtype]
+    return [
+        os.path.join(os.path.expanduser(args.vllm_venv), "bin", "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--served-model-name",
+        NAME,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        dtype,
+    ]
 
 
-def serve_and_measure(command: list[str], port: int, args: argparse.Namespace,
-                      requests: list[tuple[list[int], int]], env: dict[str, str]) -> dict:
+def serve_and_measure(
+    command: list[str],
+    port: int,
+    args: argparse.Namespace,
+    requests: list[tuple[list[int], int]],
+    env: dict[str, str],
+) -> dict:
     """Start a server in its own process group, run the clients, kill the group."""
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=dict(os.environ, **env))
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=dict(os.environ, **env),
+        )
         try:
             wait_healthy(port, proc, args.start_timeout, log)
-            return asyncio.run(run_clients(f"http://127.0.0.1:{port}/v1", NAME, requests,
-                                           args.num_clients))
+            return asyncio.run(
+                run_clients(f"http://127.0.0.1:{port}/v1", NAME, requests, args.num_clients)
+            )
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -180,38 +243,51 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float, log) -> No
 
 def print_table(rows: dict[str, dict], args: argparse.Namespace) -> None:
     with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                   "?")
-    print(f"CPU: {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; "
-          f"{args.num_requests} requests, {args.num_clients} clients, preset {args.preset}")
-    print("| server | output tok/s | time (s) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-          "TPOT p50 / p99 (ms) |")
+        cpu = next(
+            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?"
+        )
+    print(
+        f"CPU: {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; "
+        f"{args.num_requests} requests, {args.num_clients} clients, preset {args.preset}"
+    )
+    print(
+        "| server | output tok/s | time (s) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+        "TPOT p50 / p99 (ms) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['output_tok_s']:.1f} | {r['time_s']:.2f} | "
-              f"{r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} | "
-              f"{r['itl_ms'][0]:.1f} / {r['itl_ms'][1]:.1f} | "
-              f"{r['tpot_ms'][0]:.1f} / {r['tpot_ms'][1]:.1f} |")
+        print(
+            f"| {name} | {r['output_tok_s']:.1f} | {r['time_s']:.2f} | "
+            f"{r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} | "
+            f"{r['itl_ms'][0]:.1f} / {r['itl_ms'][1]:.1f} | "
+            f"{r['tpot_ms'][0]:.1f} / {r['tpot_ms'][1]:.1f} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     requests = make_requests(args)
     if args.url:
-        print_table({args.url: asyncio.run(run_clients(args.url, None, requests,
-                                                       args.num_clients))}, args)
+        print_table(
+            {args.url: asyncio.run(run_clients(args.url, None, requests, args.num_clients))}, args
+        )
         return
     rows = {}
     with tempfile.TemporaryDirectory(prefix=f"serve-{args.preset}-") as model:
         write_weightless_checkpoint(model, bench.PRESETS[args.preset].config)
         port = free_port()
-        rows["nanovllm"] = serve_and_measure(nanovllm_command(model, port, args), port, args,
-                                             requests, {})
+        rows["nanovllm"] = serve_and_measure(
+            nanovllm_command(model, port, args), port, args, requests, {}
+        )
         if args.vllm_venv:
             port = free_port()
-            rows["vllm"] = serve_and_measure(vllm_command(model, port, args), port, args,
-                                             requests,
-                                             {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"})
+            rows["vllm"] = serve_and_measure(
+                vllm_command(model, port, args),
+                port,
+                args,
+                requests,
+                {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"},
+            )
     print_table(rows, args)
 
 

@@ -8,6 +8,7 @@ best of --repeats after a warm-up) and the ratio TP=2 / TP=1. On a small or shar
 machine run it with OMP_NUM_THREADS=1: OpenMP threads of several processes spinning on
 the same cores make the timings erratic (TP=1 included).
 """
+
 import argparse
 import random
 from time import perf_counter
@@ -16,12 +17,18 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.models.demo import demo_checkpoint
 
 
-def tokens_per_second(path: str, tp: int, prompts: list[list[int]], new_tokens: int,
-                      repeats: int) -> float:
+def tokens_per_second(
+    path: str, tp: int, prompts: list[list[int]], new_tokens: int, repeats: int
+) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     total = sum(len(p) for p in prompts) + len(prompts) * new_tokens
-    with LLM(path, tensor_parallel_size=tp, enforce_eager=True, num_kvcache_blocks=256,
-             kvcache_block_size=16) as llm:
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        enforce_eager=True,
+        num_kvcache_blocks=256,
+        kvcache_block_size=16,
+    ) as llm:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         best = float("inf")
         for _ in range(repeats):
@@ -41,8 +48,9 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     path = str(demo_checkpoint())
-    speeds = {tp: tokens_per_second(path, tp, prompts, args.new_tokens, args.repeats)
-              for tp in (1, 2)}
+    speeds = {
+        tp: tokens_per_second(path, tp, prompts, args.new_tokens, args.repeats) for tp in (1, 2)
+    }
     for tp, speed in speeds.items():
         print(f"tensor_parallel_size={tp}: {speed:8.0f} tokens/s")
     print(f"TP=2 / TP=1 throughput: {speeds[2] / speeds[1]:.2f}")

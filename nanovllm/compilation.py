@@ -2,6 +2,7 @@
 the sampler's softmax race), on CUDA without enforce_eager (on a CPU compiling costs 10-25 s a
 process, more than it saves: benchmarks/compiled_ops.py). Each op is compiled once per process
 and shared by every layer: dynamo guards on shapes and dtypes, never on a layer."""
+
 from collections.abc import Callable
 
 import torch

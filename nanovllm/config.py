@@ -1,6 +1,7 @@
 """Engine configuration: one dataclass, checked in __post_init__ (TypeError for a wrong
 type, ValueError for a wrong value). Values found at run time (the number of KV-cache
 blocks) are returned by the parts that find them, never written back here."""
+
 import os
 from dataclasses import dataclass, field, fields
 
@@ -26,44 +27,64 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1            # engine replicas, each over tensor_parallel_size ranks
+    data_parallel_size: int = 1  # engine replicas, each over tensor_parallel_size ranks
     enforce_eager: bool = False
     kvcache_block_size: int = 256
-    num_kvcache_blocks: int = -1           # -1: as many as the memory allows
+    num_kvcache_blocks: int = -1  # -1: as many as the memory allows
     device: str = "auto"
-    dtype: str = "auto"                    # "auto": the checkpoint's (CPU: if native)
+    dtype: str = "auto"  # "auto": the checkpoint's (CPU: if native)
     attention_backend: str = "auto"
     load_format: str = "auto"
     enable_prefix_caching: bool = True
-    cpu_kvcache_space_gib: float = 4.0     # KV-cache budget on the CPU
-    scheduling_policy: str = "mixed"       # decode first; "prefill_first": nano-vLLM's
-    async_scheduling: bool = False         # schedule step n+1 while step n runs (one rank only)
+    cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
+    scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
+    async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
         if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model must be a directory holding config.json; "
-                             f"{self.model!r} is not (no model is downloaded)")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                     "kvcache_block_size"):
+            raise ValueError(
+                f"model must be a directory holding config.json; "
+                f"{self.model!r} is not (no model is downloaded)"
+            )
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "kvcache_block_size",
+        ):
             check_int(name, getattr(self, name), minimum=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
         check_int("data_parallel_size", self.data_parallel_size, minimum=1)
         if check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1) == 0:
             raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
-        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, "in (0, 1]",
-                     low_open=True)
-        check_number("cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, 0, float("inf"),
-                     "> 0", low_open=True, high_open=True)
+        check_number(
+            "gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, "in (0, 1]", low_open=True
+        )
+        check_number(
+            "cpu_kvcache_space_gib",
+            self.cpu_kvcache_space_gib,
+            0,
+            float("inf"),
+            "> 0",
+            low_open=True,
+            high_open=True,
+        )
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if check_bool("async_scheduling", self.async_scheduling) and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling works on one rank: pass tensor_parallel_size=1 "
-                             "or async_scheduling=False")
-        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("load_format", LOAD_FORMATS),
-                              ("attention_backend", ATTENTION_BACKENDS),
-                              ("scheduling_policy", SCHEDULING_POLICIES)):
+            raise ValueError(
+                "async_scheduling works on one rank: pass tensor_parallel_size=1 "
+                "or async_scheduling=False"
+            )
+        for name, allowed in (
+            ("device", DEVICES),
+            ("dtype", DTYPES),
+            ("load_format", LOAD_FORMATS),
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("scheduling_policy", SCHEDULING_POLICIES),
+        ):
             check_choice(name, getattr(self, name), allowed)
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
@@ -75,6 +96,8 @@ class Config:
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"unknown argument(s) {', '.join(unknown)}; "
-                            f"Config accepts: {', '.join(sorted(known - {'model'}))}")
+            raise TypeError(
+                f"unknown argument(s) {', '.join(unknown)}; "
+                f"Config accepts: {', '.join(sorted(known - {'model'}))}"
+            )
         return cls(model, **kwargs)

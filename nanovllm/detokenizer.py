@@ -5,6 +5,7 @@ incremental detokenizer does) and each step's new characters are searched.
                                ^prefix  ^read         decode(context) = the new text
 
 A token ending inside a multi-byte character (U+FFFD) is held back until a later one ends it."""
+
 from functools import partial
 
 from transformers import PreTrainedTokenizerBase
@@ -20,16 +21,16 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0  # token_ids[prefix_offset:read_offset] = context, already in text
-        self.read_offset = 0    # token_ids[read_offset:] are not in text yet
+        self.read_offset = 0  # token_ids[read_offset:] are not in text yet
 
     def append(self, token_ids: list[int]) -> int:
         """Add tokens; returns how many characters of text they completed."""
         self.token_ids.extend(token_ids)
-        context = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self.decode(self.token_ids[self.prefix_offset:])
+        context = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset :])
         if len(full) <= len(context) or full.endswith("\ufffd"):
             return 0
-        self.text += full[len(context):]
+        self.text += full[len(context) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return len(full) - len(context)
 
@@ -53,7 +54,8 @@ class StopStringChecker:
         detokenizer = self.detokenizers.get(seq.seq_id)
         if detokenizer is None:
             detokenizer = self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.sampling_params.skip_special_tokens)
+                self.tokenizer, seq.sampling_params.skip_special_tokens
+            )
         start = seq.num_prompt_tokens + len(detokenizer.token_ids)
         num_new_chars = detokenizer.append(seq.token_ids[start:])
         stop_at = find_stop_string(detokenizer.text, num_new_chars, seq.sampling_params.stop)

@@ -1,5 +1,6 @@
 """LLMEngine: `step()` is the heartbeat, schedule() -> run() -> advance() + accept(). The scheduler
 decides what runs and what ends; the model runner computes a token per scheduled sequence."""
+
 import os
 from dataclasses import replace
 from functools import partial
@@ -19,22 +20,22 @@ Prompt = str | list[int] | dict  # dict: vLLM's TextPrompt or TokensPrompt
 
 
 class NewToken(NamedTuple):
-    request_id: int          # what add_request returned
-    index: int               # which of the request's n completions
+    request_id: int  # what add_request returned
+    index: int  # which of the request's n completions
     token_id: int
-    logprobs: dict | None    # its logprob entry if asked for (decoded_token not filled in)
+    logprobs: dict | None  # its logprob entry if asked for (decoded_token not filled in)
 
 
 class StepOutput(NamedTuple):
     finished: list[CompletionOutput]  # the sequences that finished this step
-    num_prefill_tokens: int           # prompt tokens computed this step
-    num_decode_tokens: int            # decode tokens computed this step
-    new_tokens: list[NewToken] = []   # every sequence's token of this step, finished or not
+    num_prefill_tokens: int  # prompt tokens computed this step
+    num_decode_tokens: int  # decode tokens computed this step
+    new_tokens: list[NewToken] = []  # every sequence's token of this step, finished or not
 
 
 class EngineStats(NamedTuple):
-    num_running: int       # sequences holding KV blocks
-    num_waiting: int       # sequences queued (preempted ones included)
+    num_running: int  # sequences holding KV blocks
+    num_waiting: int  # sequences queued (preempted ones included)
     kv_cache_usage: float  # fraction of KV blocks held by a sequence
 
 
@@ -45,13 +46,19 @@ class LLMEngine:
         self.eos_token_ids = find_eos_token_ids(config, self.tokenizer)
         self.model_runner = ModelRunner(config)
         self.in_flight: tuple[list[Sequence], SamplerOutput] | None = None  # async scheduling
-        block_manager = BlockManager(self.model_runner.num_kvcache_blocks,
-                                     config.kvcache_block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=config.max_model_len,
-                                   stop_strings=StopStringChecker(self.tokenizer),
-                                   policy=config.scheduling_policy)
+        block_manager = BlockManager(
+            self.model_runner.num_kvcache_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            stop_strings=StopStringChecker(self.tokenizer),
+            policy=config.scheduling_policy,
+        )
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue one request (its n sequences); returns its id, the `seq_id` of its
@@ -64,8 +71,9 @@ class LLMEngine:
             self.scheduler.add(seq)
         return seqs[0].seq_id
 
-    def _make_sequences(self, prompt: object, params: object,
-                        index: int | None = None) -> list[Sequence]:
+    def _make_sequences(
+        self, prompt: object, params: object, index: int | None = None
+    ) -> list[Sequence]:
         """Tokenize and check one request (n sequences; the i-th's seed is seed + i, as vLLM's)
         without queueing it; errors name `index`."""
         self._check_open()
@@ -73,31 +81,43 @@ class LLMEngine:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise TypeError(f"{where}sampling params must be a SamplingParams, got "
-                            f"{type(params).__name__}")
+            raise TypeError(
+                f"{where}sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
         try:
             vocab_size = self.config.hf_config.vocab_size
             token_ids = check_token_ids(self._prompt_token_ids(prompt), vocab_size)
             for name in ("stop_token_ids", "logit_bias"):  # bad ids would fail in the sampler
                 if bad := [t for t in getattr(params, name) if t >= vocab_size]:
-                    raise ValueError(f"{name}: token id {bad[0]} is outside the model's "
-                                     f"vocabulary [0, {vocab_size})")
+                    raise ValueError(
+                        f"{name}: token id {bad[0]} is outside the model's "
+                        f"vocabulary [0, {vocab_size})"
+                    )
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids)
             self.scheduler.check_fits(seq)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None
-        return [seq] + [Sequence(token_ids, params if params.seed is None else
-                                 replace(params, seed=params.seed + i),
-                                 self.config.kvcache_block_size, self.eos_token_ids, seq, i)
-                        for i in range(1, params.n)]
+        return [seq] + [
+            Sequence(
+                token_ids,
+                params if params.seed is None else replace(params, seed=params.seed + i),
+                self.config.kvcache_block_size,
+                self.eos_token_ids,
+                seq,
+                i,
+            )
+            for i in range(1, params.n)
+        ]
 
     def _prompt_token_ids(self, prompt: object) -> object:
         """A prompt's token ids (checked by the caller); text is tokenized as vLLM does
         (with the tokenizer's special tokens)."""
         if isinstance(prompt, dict):
             if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
-                raise ValueError(f"a prompt dict takes 'prompt' (vLLM's TextPrompt) or "
-                                 f"'prompt_token_ids' (TokensPrompt), got keys {sorted(prompt)}")
+                raise ValueError(
+                    f"a prompt dict takes 'prompt' (vLLM's TextPrompt) or "
+                    f"'prompt_token_ids' (TokensPrompt), got keys {sorted(prompt)}"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt["prompt_token_ids"]
             prompt = prompt["prompt"]
@@ -122,14 +142,18 @@ class LLMEngine:
             seqs = self.scheduler.schedule()
             previous, self.in_flight, accepted = self.in_flight, None, []
             # Penalties count a batch's tokens on the host: the step in flight is read first.
-            if previous is not None and (not seqs or any(
-                    seq.sampling_params.has_penalties for seq in seqs)):
+            if previous is not None and (
+                not seqs or any(seq.sampling_params.has_penalties for seq in seqs)
+            ):
                 accepted, previous = self._accept(*previous), None
             num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
             num_prefill = sum(seq.num_scheduled_tokens for seq in seqs[num_decode:])  # rows first
             if seqs:  # async: only queued on the device, its tokens read by the next step
-                out = (self.model_runner.execute_model(seqs) if self.config.async_scheduling
-                       else self.model_runner.run(seqs))
+                out = (
+                    self.model_runner.execute_model(seqs)
+                    if self.config.async_scheduling
+                    else self.model_runner.run(seqs)
+                )
             if previous is not None:
                 accepted = self._accept(*previous)  # step n's tokens, while n + 1 runs
             self.scheduler.advance(seqs)
@@ -143,11 +167,24 @@ class LLMEngine:
             self.scheduler.abort_all()
             raise
         # tuple.__new__: what NewToken._make does, without its Python frame (3x faster)
-        new_tokens = [tuple.__new__(NewToken, (seq.request_id, seq.index, seq.last_token,
-                                               seq.logprobs[-1] if seq.logprobs else None))
-                      for seq in accepted]
-        return StepOutput([self._completion_output(seq) for seq in accepted if seq.is_finished],
-                          num_prefill, num_decode, new_tokens)
+        new_tokens = [
+            tuple.__new__(
+                NewToken,
+                (
+                    seq.request_id,
+                    seq.index,
+                    seq.last_token,
+                    seq.logprobs[-1] if seq.logprobs else None,
+                ),
+            )
+            for seq in accepted
+        ]
+        return StepOutput(
+            [self._completion_output(seq) for seq in accepted if seq.is_finished],
+            num_prefill,
+            num_decode,
+            new_tokens,
+        )
 
     def _accept(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
         """Read a launched step's tokens (and logprobs) into its sequences, but those that
@@ -165,10 +202,21 @@ class LLMEngine:
         token_ids = seq.completion_token_ids
         text, stop_reason = self._text(seq)
         logprobs = self.decode_logprobs(seq.logprobs)
-        cumulative = None if logprobs is None else sum(
-            entries[token].logprob for entries, token in zip(logprobs, token_ids))
-        return CompletionOutput(seq.index, text, token_ids, cumulative, logprobs,
-                                seq.finish_reason.value, stop_reason, seq.request_id)
+        cumulative = (
+            None
+            if logprobs is None
+            else sum(entries[token].logprob for entries, token in zip(logprobs, token_ids))
+        )
+        return CompletionOutput(
+            seq.index,
+            text,
+            token_ids,
+            cumulative,
+            logprobs,
+            seq.finish_reason.value,
+            stop_reason,
+            seq.request_id,
+        )
 
     def _text(self, seq: Sequence) -> tuple[str, int | str | None]:
         """The completion's text and stop_reason. Which stop string ended it is found again
@@ -198,8 +246,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           1 - blocks.num_free_blocks / blocks.num_blocks)
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            1 - blocks.num_free_blocks / blocks.num_blocks,
+        )
 
     def close(self) -> None:
         """Release the KV cache and the model's device memory; harmless to call twice."""
@@ -218,16 +269,18 @@ class LLMEngine:
 def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:
     """A prompt's token ids as a list of ints in [0, vocab_size)."""
     if not isinstance(token_ids, (list, tuple)):
-        raise TypeError(f"a prompt must be a string or a list of token ids, got "
-                        f"{type(token_ids).__name__}")
+        raise TypeError(
+            f"a prompt must be a string or a list of token ids, got {type(token_ids).__name__}"
+        )
     if not token_ids:
         raise ValueError("the prompt is empty; give at least one token")
     for token in token_ids:
         if isinstance(token, bool) or not isinstance(token, Integral):
             raise TypeError(f"token ids must be ints, got {type(token).__name__} ({token!r})")
         if not 0 <= token < vocab_size:
-            raise ValueError(f"token id {token} is outside the model's vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(
+                f"token id {token} is outside the model's vocabulary [0, {vocab_size})"
+            )
     return [int(t) for t in token_ids]
 
 

@@ -1,11 +1,13 @@
 """What generation returns, in vLLM's shapes; a RequestOutput also answers nano-vLLM's
 out["text"], out["token_ids"] and out["finish_reason"]: those of its first completion."""
+
 from dataclasses import dataclass
 
 
 @dataclass(slots=True)
 class Logprob:
     """A token's log-probability in the model's raw distribution and its rank there (1 = top)."""
+
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -29,7 +31,7 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    prompt: str | None                # None for a token-id prompt
+    prompt: str | None  # None for a token-id prompt
     prompt_token_ids: list[int]
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # the same; the first token's: None
     outputs: list[CompletionOutput]

@@ -1,5 +1,6 @@
 """Small helpers shared by both planes (pure Python). User input is checked with one rule:
 TypeError for a wrong type, ValueError for a wrong value, each naming the argument."""
+
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,8 +28,9 @@ class Scoped(Generic[T]):
             self.value = previous
 
 
-def check_int(name: str, value: object, minimum: int | None = None,
-              maximum: int | None = None) -> int:
+def check_int(
+    name: str, value: object, minimum: int | None = None, maximum: int | None = None
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
@@ -37,8 +39,15 @@ def check_int(name: str, value: object, minimum: int | None = None,
     return value
 
 
-def check_number(name: str, value: object, low: float, high: float, expected: str,
-                 low_open: bool = False, high_open: bool = False) -> float:
+def check_number(
+    name: str,
+    value: object,
+    low: float,
+    high: float,
+    expected: str,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
     """A finite number in [low, high] (open ends as asked); `expected` words the error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")

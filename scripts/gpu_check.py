@@ -20,6 +20,7 @@ Without pytest the tests are reported as not run (gpu_check.sh puts a copy insta
 kept in one gpu_check.log beside summary.json in --out (default: $OUT when set, else a
 temporary directory): two files, so that all of it comes back from a lent machine.
 """
+
 import argparse
 import json
 import os
@@ -36,8 +37,8 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGET_S = 470         # the stages' share of the 8 minutes
-MIN_STAGE_S = 20       # a stage with less time left than this is skipped
+BUDGET_S = 470  # the stages' share of the 8 minutes
+MIN_STAGE_S = 20  # a stage with less time left than this is skipped
 NO_GPU = "no CUDA GPU is present: the CUDA checks need one, nothing was run"
 
 
@@ -68,8 +69,15 @@ class Runner:
             return stage, ""
         print(f"\n=== {name}: {' '.join(argv)} (limit {limit:.0f} s)", flush=True)
         start = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True, env=child_env())
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=child_env(),
+        )
         try:
             output, _ = proc.communicate(timeout=limit)
             stage.status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
@@ -102,6 +110,7 @@ def _kill_group(pgid: int) -> None:
 
 # -- stages ---------------------------------------------------------------------------
 
+
 def versions() -> dict:
     import torch
 
@@ -111,22 +120,35 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             return "missing"
 
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda or "none", "triton": version("triton"),
-            "transformers": version("transformers"), "pytest": _importable("pytest"),
-            "hypothesis": _importable("hypothesis"), "flash_attn": version("flash-attn"),
-            "commit": os.environ.get("NANOVLLM_COMMIT") or _git("rev-parse", "--short", "HEAD"),
-            "date": time.strftime("%Y-%m-%d")}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "triton": version("triton"),
+        "transformers": version("transformers"),
+        "pytest": _importable("pytest"),
+        "hypothesis": _importable("hypothesis"),
+        "flash_attn": version("flash-attn"),
+        "commit": os.environ.get("NANOVLLM_COMMIT") or _git("rev-parse", "--short", "HEAD"),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info["gpu"] = (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, "
-                       f"{torch.cuda.device_count()} visible")
+        info["gpu"] = (
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, "
+            f"{torch.cuda.device_count()} visible"
+        )
     return info
 
 
 def _importable(module: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", f"import {module}; print({module}.__version__)"],
-                          capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}; print({module}.__version__)"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+    )
     return proc.stdout.strip() if proc.returncode == 0 else "missing"
 
 
@@ -141,8 +163,11 @@ def _git(*args: str) -> str:
 def cuda_test_files() -> list[str]:
     """Test files that mark CUDA tests; other files are not even imported (they may need
     packages the image lacks, e.g. hypothesis)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-                  if "pytest.mark.cuda" in p.read_text())
+    return sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if "pytest.mark.cuda" in p.read_text()
+    )
 
 
 def run_tests(runner: Runner, pytest_version: str) -> None:
@@ -150,14 +175,31 @@ def run_tests(runner: Runner, pytest_version: str) -> None:
         runner.stages.append(Stage("tests", "not run (pytest missing: see gpu_check.sh)"))
         return
     junit = runner.scratch / "cuda_tests.xml"
-    stage, output = runner.run("tests", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs",
-                                    "--durations=20", "-p", "no:cacheprovider",
-                                    f"--junitxml={junit}", *cuda_test_files()], limit_s=230)
+    stage, output = runner.run(
+        "tests",
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "cuda",
+            "-q",
+            "-rfEs",
+            "--durations=20",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *cuda_test_files(),
+        ],
+        limit_s=230,
+    )
     counts = junit_counts(junit) if junit.exists() else progress_counts(output)
     stage.figures = counts
-    stage.summary = (f"{counts['passed']} passed, {counts['failures']} failed, "
-                     f"{counts['errors']} errors, {counts['skipped']} skipped"
-                     + ("" if junit.exists() else " (until it stopped)"))
+    stage.summary = (
+        f"{counts['passed']} passed, {counts['failures']} failed, "
+        f"{counts['errors']} errors, {counts['skipped']} skipped"
+        + ("" if junit.exists() else " (until it stopped)")
+    )
 
 
 def junit_counts(junit: Path) -> dict[str, int]:
@@ -171,18 +213,31 @@ def junit_counts(junit: Path) -> dict[str, int]:
 def progress_counts(output: str) -> dict[str, int]:
     """Counts from pytest -q's progress lines ("..F.s  [ 40%]"), for a run cut short
     before it wrote its report."""
-    marks = "".join(m.group(1) for m in re.finditer(r"(?m)^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$",
-                                                    output))
-    return {"passed": marks.count(".") + marks.count("X"), "failures": marks.count("F"),
-            "errors": marks.count("E"), "skipped": marks.count("s") + marks.count("x")}
+    marks = "".join(
+        m.group(1) for m in re.finditer(r"(?m)^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$", output)
+    )
+    return {
+        "passed": marks.count(".") + marks.count("X"),
+        "failures": marks.count("F"),
+        "errors": marks.count("E"),
+        "skipped": marks.count("s") + marks.count("x"),
+    }
 
 
 def run_bench(runner: Runner, mode: str) -> None:
     """mode: "graphs", "async" (graphs and async scheduling) or "eager"."""
     result = runner.scratch / f"bench_{mode}.json"
     if (ROOT / "bench.py").exists():
-        argv = [sys.executable, "bench.py", "--preset", "qwen3-0.6b", "--dtype", "bfloat16",
-                "--json", str(result)]
+        argv = [
+            sys.executable,
+            "bench.py",
+            "--preset",
+            "qwen3-0.6b",
+            "--dtype",
+            "bfloat16",
+            "--json",
+            str(result),
+        ]
     elif mode == "async":
         runner.stages.append(Stage("bench async", "not run (no bench.py in this checkout)"))
         return
@@ -202,21 +257,30 @@ def run_bench(runner: Runner, mode: str) -> None:
 
 
 def run_decode_step(runner: Runner) -> None:
-    stage, output = runner.run("decode step", [sys.executable, "benchmarks/decode_step.py",
-                                               "--steps", "10"], limit_s=40)
+    stage, output = runner.run(
+        "decode step", [sys.executable, "benchmarks/decode_step.py", "--steps", "10"], limit_s=40
+    )
     rows = [line.split() for line in output.splitlines() if re.match(r"\s*\d+\s+\d", line)]
     if rows:  # batch step gpu host schedule launch wait post launch-busy
-        stage.figures = {row[0]: dict(zip(("step", "gpu", "host", "schedule", "launch", "wait",
-                                           "post", "launch_busy"), map(float, row[1:])))
-                         for row in rows}
+        stage.figures = {
+            row[0]: dict(
+                zip(
+                    ("step", "gpu", "host", "schedule", "launch", "wait", "post", "launch_busy"),
+                    map(float, row[1:]),
+                )
+            )
+            for row in rows
+        }
         stage.summary = "; ".join(
             f"batch {b}: step {f['step']:.2f} = gpu {f['gpu']:.2f} + host {f['host']:.2f} ms, "
             f"launch {f['launch']:.2f} idle / {f['launch_busy']:.2f} busy"
-            for b, f in stage.figures.items())
+            for b, f in stage.figures.items()
+        )
 
 
-def run_percentages(runner: Runner, name: str, argv: list[str], limit_s: float,
-                    pattern: str, unit: str) -> None:
+def run_percentages(
+    runner: Runner, name: str, argv: list[str], limit_s: float, pattern: str, unit: str
+) -> None:
     """A benchmark whose table ends each row in a ratio: report their range."""
     if not (ROOT / argv[1]).exists():
         runner.stages.append(Stage(name, f"not run ({argv[1]} is not in this checkout)"))
@@ -225,7 +289,9 @@ def run_percentages(runner: Runner, name: str, argv: list[str], limit_s: float,
     values = [float(v) for v in re.findall(pattern, output)]
     if values:
         stage.figures = {"min": min(values), "max": max(values), "rows": len(values)}
-        stage.summary = f"{min(values):g}{unit} .. {max(values):g}{unit} over {len(values)} rows (above)"
+        stage.summary = (
+            f"{min(values):g}{unit} .. {max(values):g}{unit} over {len(values)} rows (above)"
+        )
 
 
 def run_stages(runner: Runner, info: dict) -> None:
@@ -234,21 +300,38 @@ def run_stages(runner: Runner, info: dict) -> None:
     run_bench(runner, "async")
     run_bench(runner, "eager")
     run_decode_step(runner)
-    run_percentages(runner, "decode kernel", [sys.executable, "benchmarks/decode_attention.py"],
-                    30, r"(?m)(\d+)%\s*$", "% of floor")
-    run_percentages(runner, "compiled ops", [sys.executable, "benchmarks/compiled_ops.py",
-                                             "--tokens", "1", "256", "2048"],
-                    30, r"([\d.]+)x\s", "x")
+    run_percentages(
+        runner,
+        "decode kernel",
+        [sys.executable, "benchmarks/decode_attention.py"],
+        30,
+        r"(?m)(\d+)%\s*$",
+        "% of floor",
+    )
+    run_percentages(
+        runner,
+        "compiled ops",
+        [sys.executable, "benchmarks/compiled_ops.py", "--tokens", "1", "256", "2048"],
+        30,
+        r"([\d.]+)x\s",
+        "x",
+    )
 
 
 # -- the table ------------------------------------------------------------------------
 
+
 def print_table(info: dict, stages: list[Stage]) -> None:
-    rows = [("GPU", info.get("gpu", "none")),
-            ("versions", f"python {info['python']}, torch {info['torch']} (CUDA {info['cuda']}), "
-                         f"triton {info['triton']}, transformers {info['transformers']}, "
-                         f"pytest {info['pytest']}, flash-attn {info['flash_attn']}"),
-            ("commit", f"{info['commit']} ({info['date']})")]
+    rows = [
+        ("GPU", info.get("gpu", "none")),
+        (
+            "versions",
+            f"python {info['python']}, torch {info['torch']} (CUDA {info['cuda']}), "
+            f"triton {info['triton']}, transformers {info['transformers']}, "
+            f"pytest {info['pytest']}, flash-attn {info['flash_attn']}",
+        ),
+        ("commit", f"{info['commit']} ({info['date']})"),
+    ]
     for s in stages:
         status = f"[{s.status}, {s.seconds:.0f} s]"
         rows.append((s.name, f"{s.summary}  {status}" if s.summary else status))
@@ -269,13 +352,17 @@ def check(out: Path) -> int:
         return 0
     runner = Runner(out)
     run_stages(runner, info)
-    (out / "summary.json").write_text(json.dumps(
-        {"info": info, "stages": [asdict(s) for s in runner.stages]}, indent=2, default=str))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {"info": info, "stages": [asdict(s) for s in runner.stages]}, indent=2, default=str
+        )
+    )
     print_table(info, runner.stages)
     return 0 if all(s.status == "ok" for s in runner.stages) else 1
 
 
 # -- the workload without bench.py -----------------------------------------------------------
+
 
 def throughput(enforce_eager: bool, json_path: str) -> None:
     """nano-vLLM's bench.py workload through LLM.generate, its figures to `json_path`."""
@@ -286,12 +373,19 @@ def throughput(enforce_eager: bool, json_path: str) -> None:
 
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024))
-              for _ in range(256)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024))
+        for _ in range(256)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         path = write_weightless_checkpoint(os.path.join(tmp, "qwen3-0.6b"))
-        with LLM(path, load_format="dummy", dtype="bfloat16", enforce_eager=enforce_eager,
-                 max_model_len=4096) as llm:
+        with LLM(
+            path,
+            load_format="dummy",
+            dtype="bfloat16",
+            enforce_eager=enforce_eager,
+            max_model_len=4096,
+        ) as llm:
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm up
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -299,16 +393,33 @@ def throughput(enforce_eager: bool, json_path: str) -> None:
     tokens = sum(p.max_tokens for p in params)
     print(f"Total: {tokens}tok, Time: {elapsed:.2f}s, Throughput: {tokens / elapsed:.2f}tok/s")
     with open(json_path, "w") as f:
-        json.dump({"results": [{"status": "ok", "output_tokens": tokens, "time_s": elapsed,
-                                "output_tok_s": tokens / elapsed}]}, f)
+        json.dump(
+            {
+                "results": [
+                    {
+                        "status": "ok",
+                        "output_tokens": tokens,
+                        "time_s": elapsed,
+                        "output_tok_s": tokens / elapsed,
+                    }
+                ]
+            },
+            f,
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT"),
-                   help="where the logs go (default: $OUT, else a temporary directory)")
-    p.add_argument("--throughput", action="store_true",
-                   help="(internal) run only the benchmark workload through LLM.generate")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT"),
+        help="where the logs go (default: $OUT, else a temporary directory)",
+    )
+    p.add_argument(
+        "--throughput",
+        action="store_true",
+        help="(internal) run only the benchmark workload through LLM.generate",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="(with --throughput)")
     p.add_argument("--json", help="(with --throughput) where its figures go")
     args = p.parse_args()

@@ -1,11 +1,13 @@
 """Requests that arrive while others decode, driven through add_request / step as a
 server would: shared by the mixed-step tests (CPU, TP, Triton under the interpreter)."""
+
 from nanovllm import SamplingParams
 from nanovllm.engine import LLMEngine, StepOutput
 
 
-def run_with_arrivals(llm: LLMEngine, early: list[list[int]], late: list[list[int]],
-                      params: SamplingParams) -> tuple[list[list[int]], list[StepOutput]]:
+def run_with_arrivals(
+    llm: LLMEngine, early: list[list[int]], late: list[list[int]], params: SamplingParams
+) -> tuple[list[list[int]], list[StepOutput]]:
     """Queue `early`, step until all of them decode, then queue `late` and step until
     the engine is idle. Returns each prompt's completion (early, then late) and every
     step's output after the arrival."""

@@ -1,8 +1,9 @@
 """Shared fixtures: small random Qwen3 checkpoints built offline once per test run,
 and Hugging Face `transformers` as the oracle for their output."""
+
 import os
 import shutil
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,17 @@ import pytest
 # repeating one or two tokens.
 MODEL_SHAPES = {
     "gqa": dict(num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
-    "mqa": dict(num_heads=4, num_kv_heads=1, head_dim=32, tie_word_embeddings=True,
-                attention_bias=True, layer_initializer_range=0.24, rope_theta=1e6,
-                rms_norm_eps=1e-5, seed=0),
+    "mqa": dict(
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        layer_initializer_range=0.24,
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        seed=0,
+    ),
 }
 # The engine's logits differ from transformers' by up to ~3e-6 on these checkpoints
 # (float32, CPU); a greedy reference whose top token leads by less than 100 times that
@@ -47,8 +56,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {name: build_tiny_qwen3(root / name, **kw) for name, kw in MODEL_SHAPES.items()}
-    paths["gqa_v4"] = build_tiny_qwen3(root / "gqa_v4", config_style="transformers4",
-                                       rope_theta=1e6, **MODEL_SHAPES["gqa"])
+    paths["gqa_v4"] = build_tiny_qwen3(
+        root / "gqa_v4", config_style="transformers4", rope_theta=1e6, **MODEL_SHAPES["gqa"]
+    )
     return paths
 
 
@@ -65,12 +75,13 @@ def bos_checkpoint(checkpoints, tmp_path_factory) -> Path:
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     bos = tokenizer.token_to_id("<|endoftext|>")
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
     tokenizer.save(str(path / "tokenizer.json"))
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def hf_model(path: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -82,19 +93,26 @@ def hf_model(path: str):
     return model
 
 
-@lru_cache(maxsize=None)
+@cache
 def hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate, one prompt at a time (no padding); fails on a
     near-tie (see assert_clear_argmax)."""
     import torch
 
-    out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=0, output_logits=True,
-                                  return_dict_in_generate=True)
+    out = hf_model(path).generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     assert out.sequences.shape[1] == len(prompt) + max_new_tokens
-    assert_clear_argmax(torch.stack(out.logits)[:, 0],
-                        f"{Path(path).name}, prompt {list(prompt)[:8]}... ({len(prompt)} tokens)")
-    return out.sequences[0, len(prompt):].tolist()
+    assert_clear_argmax(
+        torch.stack(out.logits)[:, 0],
+        f"{Path(path).name}, prompt {list(prompt)[:8]}... ({len(prompt)} tokens)",
+    )
+    return out.sequences[0, len(prompt) :].tolist()
 
 
 def assert_clear_argmax(logits, what: str) -> None:
@@ -107,4 +125,5 @@ def assert_clear_argmax(logits, what: str) -> None:
         f"near-tie in the greedy reference for {what}: at step {step} the top two logits "
         f"differ by {gaps[step].item():.1e} < MIN_TOP2_GAP = {MIN_TOP2_GAP:.0e}, so rounding "
         f"could flip the token and the comparison would be flaky; choose another prompt "
-        f"(or checkpoint seed)")
+        f"(or checkpoint seed)"
+    )

@@ -9,10 +9,12 @@ back. A slot holding another prefix means the sequence would attend over wrong K
 block shared that should not be, a cached block overwritten after it was handed out, a
 token the scheduler claims is cached but never computed. That fails the step at once.
 """
+
 from collections.abc import Callable
 
-from nanovllm.core import Scheduler, Sequence
 from invariants import check_scheduler
+
+from nanovllm.core import Scheduler, Sequence
 
 
 def length_plus_1000(context: tuple[int, ...]) -> int:
@@ -24,8 +26,12 @@ class FakeRunner:
     """Returns one token per scheduled sequence, a function of the context it read back
     from the cache (`next_token`), and records every batch."""
 
-    def __init__(self, eos_after: dict[int, int] | None = None, eos: int = 0,
-                 next_token: Callable[[tuple[int, ...]], int] = length_plus_1000):
+    def __init__(
+        self,
+        eos_after: dict[int, int] | None = None,
+        eos: int = 0,
+        next_token: Callable[[tuple[int, ...]], int] = length_plus_1000,
+    ):
         # (seq ids, tokens each, how many are decode rows) per step
         self.batches: list[tuple[list[int], list[int], int]] = []
         self.eos_after = eos_after or {}  # seq_id -> emit EOS once this many tokens exist
@@ -36,8 +42,9 @@ class FakeRunner:
     def run(self, seqs: list[Sequence]) -> list[int]:
         num_decode = sum(1 for s in seqs if not s.is_prefill)
         assert all(not s.is_prefill for s in seqs[:num_decode]), "decode rows come first"
-        self.batches.append(([s.seq_id for s in seqs], [s.num_scheduled_tokens for s in seqs],
-                             num_decode))
+        self.batches.append(
+            ([s.seq_id for s in seqs], [s.num_scheduled_tokens for s in seqs], num_decode)
+        )
         for seq in seqs:  # the whole batch writes before any sequence reads, as in a step
             self.write_kv(seq)
         return [self.sample(seq, self.read_context(seq)) for seq in seqs]
@@ -47,16 +54,17 @@ class FakeRunner:
         assert 0 < seq.num_scheduled_tokens
         assert seq.num_cached_tokens + seq.num_scheduled_tokens <= len(seq)
         for p in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens):
-            self.kv[slot(seq, p)] = tuple(seq.token_ids[:p + 1])
+            self.kv[slot(seq, p)] = tuple(seq.token_ids[: p + 1])
 
     def read_context(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens the sequence attends over this step, as read back from the cache."""
         end = seq.num_cached_tokens + seq.num_scheduled_tokens
         for p in range(end):
             held = self.kv.get(slot(seq, p))
-            assert held == tuple(seq.token_ids[:p + 1]), (
+            assert held == tuple(seq.token_ids[: p + 1]), (
                 f"sequence {seq.seq_id} reads position {p} from slot {slot(seq, p)}, which "
-                f"holds the KV of {held} instead of its own prefix")
+                f"holds the KV of {held} instead of its own prefix"
+            )
         return self.kv[slot(seq, end - 1)]
 
     def sample(self, seq: Sequence, context: tuple[int, ...]) -> int:

@@ -8,6 +8,7 @@ either would not match. initializer_range is large so logits are peaked and gree
 decoding does not hinge on near-ties; norms and biases are perturbed away from 1 and 0 so
 a missing one is caught.
 """
+
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -17,43 +18,74 @@ import torch
 
 ROPE_THETA = 3000.0
 RMS_NORM_EPS = 1e-3
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-             initializer_range=0.08, rms_norm_eps=RMS_NORM_EPS)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.08,
+    rms_norm_eps=RMS_NORM_EPS,
+)
 
 
 @dataclass(frozen=True)
 class Family:
-    config_class: str              # transformers' classes, by name
+    config_class: str  # transformers' classes, by name
     model_class: str
-    config: dict                   # arguments beyond SHAPE
+    config: dict  # arguments beyond SHAPE
     rope_scaling: dict | None = None
-    max_shard_size: str = "50GB"   # smaller: several files and an index
+    max_shard_size: str = "50GB"  # smaller: several files and an index
     published: dict = field(default_factory=dict)  # config.json keys as real checkpoints write them
 
 
 FAMILIES = {
     # Qwen2.5 checkpoints carry a sliding_window that use_sliding_window=false turns off.
-    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False),
-                    published=dict(sliding_window=32, use_sliding_window=False)),
+    "qwen2": Family(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(tie_word_embeddings=False),
+        published=dict(sliding_window=32, use_sliding_window=False),
+    ),
     # Llama 3.2: llama3 RoPE scaling (positions past 32 are "long"), tied embeddings.
-    "llama": Family("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True),
-                    rope_scaling=LLAMA3_ROPE),
+    "llama": Family(
+        "LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True), rope_scaling=LLAMA3_ROPE
+    ),
     # Llama-2-style plain RoPE, with every bias Llama's config can ask for.
-    "llama_bias": Family("LlamaConfig", "LlamaForCausalLM",
-                         dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
+    "llama_bias": Family(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
+    ),
     # Mistral 7B v0.1's window, wider than this model's 1024 positions: full attention.
-    "mistral": Family("MistralConfig", "MistralForCausalLM",
-                      dict(tie_word_embeddings=False, sliding_window=4096)),
+    "mistral": Family(
+        "MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=4096)
+    ),
     # Qwen3-30B-A3B's layout in small: layer 1 is dense (mlp_only_layers), 0 and 2 sparse.
-    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                        dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
-                             moe_intermediate_size=32, norm_topk_prob=True,
-                             decoder_sparse_step=1, mlp_only_layers=[1],
-                             tie_word_embeddings=False),
-                        max_shard_size="150KB"),
+    "qwen3_moe": Family(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+        max_shard_size="150KB",
+    ),
 }
 
 
@@ -73,8 +105,13 @@ def build_family_checkpoint(path: Path, name: str, tokenizer_dir: Path, seed: in
         shutil.copy(file, path / file.name)
     rope = {"rope_type": "default", **(family.rope_scaling or {}), "rope_theta": ROPE_THETA}
     config = getattr(transformers, family.config_class)(
-        **SHAPE | family.config, vocab_size=_vocab_size(path), eos_token_id=_eos_token_id(path),
-        bos_token_id=None, pad_token_id=None, rope_parameters=rope)
+        **SHAPE | family.config,
+        vocab_size=_vocab_size(path),
+        eos_token_id=_eos_token_id(path),
+        bos_token_id=None,
+        pad_token_id=None,
+        rope_parameters=rope,
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, family.model_class)(config).float()
     _randomize(model, config.initializer_range)
@@ -96,8 +133,7 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
             param.normal_(0.0, std)
 
 
-def rewrite_as_transformers4(config_path: Path, rope_scaling: dict | None,
-                             published: dict) -> None:
+def rewrite_as_transformers4(config_path: Path, rope_scaling: dict | None, published: dict) -> None:
     config = json.loads(config_path.read_text()) | published
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope["rope_theta"]

@@ -1,5 +1,6 @@
 """Shared by the CUDA-graph tests (the CPU stand-in in test_cuda_graph.py and the real
 graphs in test_cuda.py): the decode workload and a replay recorder."""
+
 import torch
 
 from nanovllm import SamplingParams
@@ -18,8 +19,10 @@ def graph_workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
     same = torch.randint(3, 500, (2 * BLOCK + 3,), generator=g).tolist()
     prompts[3:3] = [same] * 6
-    params = [SamplingParams(temperature=0, max_tokens=1 + (7 * i) % 37, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=1 + (7 * i) % 37, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     return prompts, params
 
 

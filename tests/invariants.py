@@ -1,4 +1,5 @@
 """The control plane's invariants, asserted by tests after every step they drive."""
+
 from collections.abc import Iterable
 
 from nanovllm.core import BlockManager, Scheduler, Sequence

@@ -2,17 +2,17 @@
 The scheduler is driven with a one-step lag against the fake runner (plain Python: it
 checks every KV slot a sequence reads), and the engine, on the CPU, must return exactly
 what the synchronous engine returns and, greedy, what transformers returns."""
+
 import random
 
 import pytest
+from conftest import hf_greedy
+from fake_runner import FakeRunner
+from invariants import check_blocks, check_scheduler
+from test_mixed_steps import prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import PENDING, BlockManager, Scheduler, Sequence
-
-from conftest import hf_greedy
-from fake_runner import FakeRunner
-from test_mixed_steps import prompts
-from invariants import check_blocks, check_scheduler
 
 
 class DeviceFeedRunner(FakeRunner):
@@ -37,22 +37,29 @@ class DeviceFeedRunner(FakeRunner):
 def requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     shared = [rng.randrange(1, 500) for _ in range(8)]  # prefix-cache hits among them
-    return [((shared if rng.random() < 0.5 else []) + [rng.randrange(1, 500)
-                                                       for _ in range(rng.randrange(1, 30))],
-             SamplingParams(max_tokens=rng.randrange(1, 25))) for _ in range(num)]
+    return [
+        (
+            (shared if rng.random() < 0.5 else [])
+            + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))],
+            SamplingParams(max_tokens=rng.randrange(1, 25)),
+        )
+        for _ in range(num)
+    ]
 
 
 def drive(reqs, num_blocks: int, async_scheduling: bool, eos: bool = True):
     """Every request to the end; (completion, finish reason) per request, and the scheduler."""
-    scheduler = Scheduler(BlockManager(num_blocks, 4), max_num_seqs=6,
-                          max_num_batched_tokens=16, max_model_len=64)
+    scheduler = Scheduler(
+        BlockManager(num_blocks, 4), max_num_seqs=6, max_num_batched_tokens=16, max_model_len=64
+    )
     seqs = [Sequence(p, params, 4, eos_token_ids=[0]) for p, params in reqs]
     for seq in seqs:
         scheduler.check_fits(seq)
         scheduler.add(seq)
     # EOS for some, at a length fixed by the request: the same in both runs
-    runner = DeviceFeedRunner(eos_after={s.seq_id: len(s) + i % 7 + 2
-                                         for i, s in enumerate(seqs) if eos and i % 3 == 0})
+    runner = DeviceFeedRunner(
+        eos_after={s.seq_id: len(s) + i % 7 + 2 for i, s in enumerate(seqs) if eos and i % 3 == 0}
+    )
     in_flight = None
     for _ in range(2000):
         if scheduler.is_finished():
@@ -88,8 +95,9 @@ def test_scheduler_with_a_one_step_lag_gives_the_synchronous_results(seed, num_b
 
 def test_a_sequence_at_its_length_is_not_scheduled_again():
     """Its token in flight is its last: no step computes past max_tokens."""
-    _, _, runner = drive([([5, 6, 7], SamplingParams(max_tokens=3))], 20,
-                         async_scheduling=True, eos=False)
+    _, _, runner = drive(
+        [([5, 6, 7], SamplingParams(max_tokens=3))], 20, async_scheduling=True, eos=False
+    )
     assert [tokens for _, tokens, _ in runner.batches] == [[3], [1], [1]]
 
 
@@ -97,27 +105,51 @@ def engine_outputs(path, prompts_, params, **kwargs):
     with LLM(str(path), device="cpu", kvcache_block_size=16, **kwargs) as llm:
         outs = llm.generate(prompts_, params, use_tqdm=False)
         assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_blocks
-        return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
-                 for c in out.outputs] for out in outs], llm.scheduler.num_preemptions
+        return [
+            [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs]
+            for out in outs
+        ], llm.scheduler.num_preemptions
 
 
 def test_greedy_async_engine_matches_transformers_with_chunked_mixed_steps(checkpoints):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ps = prompts([5, 40, 17, 3, 70], seed=31)
-    outs, _ = engine_outputs(checkpoints["gqa"], ps, params, async_scheduling=True,
-                             max_num_batched_tokens=32, num_kvcache_blocks=64)
-    assert [o[0][0] for o in outs] == [hf_greedy(str(checkpoints["gqa"]), tuple(p), 20)
-                                       for p in ps]
+    outs, _ = engine_outputs(
+        checkpoints["gqa"],
+        ps,
+        params,
+        async_scheduling=True,
+        max_num_batched_tokens=32,
+        num_kvcache_blocks=64,
+    )
+    assert [o[0][0] for o in outs] == [hf_greedy(str(checkpoints["gqa"]), tuple(p), 20) for p in ps]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, n=2, logprobs=2),
-    SamplingParams(temperature=1.0, top_k=20, seed=5, min_tokens=4, max_tokens=30,
-                   stop=["e", " t"], stop_token_ids=[7]),
-    SamplingParams(temperature=0.7, seed=9, repetition_penalty=1.3, presence_penalty=0.5,
-                   frequency_penalty=0.2, max_tokens=20),
-    SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=1, logprobs=1),
-], ids=["seeded-n2-logprobs", "stops-min-tokens", "penalties", "prompt-logprobs"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, n=2, logprobs=2),
+        SamplingParams(
+            temperature=1.0,
+            top_k=20,
+            seed=5,
+            min_tokens=4,
+            max_tokens=30,
+            stop=["e", " t"],
+            stop_token_ids=[7],
+        ),
+        SamplingParams(
+            temperature=0.7,
+            seed=9,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.2,
+            max_tokens=20,
+        ),
+        SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=1, logprobs=1),
+    ],
+    ids=["seeded-n2-logprobs", "stops-min-tokens", "penalties", "prompt-logprobs"],
+)
 def test_async_engine_returns_what_the_synchronous_engine_returns(checkpoints, params):
     ps = ["the quick brown fox", "a", "jumps over the lazy dog " * 3, "hello world"]
     kwargs = dict(max_num_batched_tokens=24, num_kvcache_blocks=64)
@@ -131,16 +163,22 @@ def test_async_engine_under_preemption_returns_the_synchronous_results(checkpoin
     ps = prompts([20, 9, 33, 14, 25, 7], seed=32)
     kwargs = dict(num_kvcache_blocks=9, max_num_batched_tokens=64)
     sync, sync_preemptions = engine_outputs(checkpoints["gqa"], ps, params, **kwargs)
-    lagged, preemptions = engine_outputs(checkpoints["gqa"], ps, params, async_scheduling=True,
-                                         **kwargs)
+    lagged, preemptions = engine_outputs(
+        checkpoints["gqa"], ps, params, async_scheduling=True, **kwargs
+    )
     assert lagged == sync
     assert preemptions > 0 and sync_preemptions > 0
 
 
 def test_a_request_aborted_while_its_step_runs_frees_its_blocks(checkpoints):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(str(checkpoints["gqa"]), device="cpu", kvcache_block_size=16,
-             num_kvcache_blocks=32, async_scheduling=True) as llm:
+    with LLM(
+        str(checkpoints["gqa"]),
+        device="cpu",
+        kvcache_block_size=16,
+        num_kvcache_blocks=32,
+        async_scheduling=True,
+    ) as llm:
         keep, drop = llm.add_request([5, 6, 7], params), llm.add_request([8, 9], params)
         for _ in range(3):
             llm.step()

@@ -1,5 +1,6 @@
 """bench.py: its arguments, its seeded workload, its decode figures, and tiny end-to-end
 runs on the CPU (alone, and side by side with transformers)."""
+
 import json
 import re
 import subprocess
@@ -15,20 +16,41 @@ sys.path.insert(0, str(ROOT))
 import bench  # noqa: E402
 from benchmarks import engines  # noqa: E402
 
-TINY = ["--preset", "cpu-small", "--num-seqs", "4", "--min-input-len", "8",
-        "--max-input-len", "40", "--min-output-len", "4", "--max-output-len", "12",
-        "--kv-cache-gib", "0.05", "--threads", "1"]
+TINY = [
+    "--preset",
+    "cpu-small",
+    "--num-seqs",
+    "4",
+    "--min-input-len",
+    "8",
+    "--max-input-len",
+    "40",
+    "--min-output-len",
+    "4",
+    "--max-output-len",
+    "12",
+    "--kv-cache-gib",
+    "0.05",
+    "--threads",
+    "1",
+]
 LINE = re.compile(r"^Total: (\d+)tok, Time: (\d+\.\d\d)s, Throughput: (\d+\.\d\d)tok/s$", re.M)
 
 
 def run_bench(*argv: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "bench.py", *argv], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "bench.py", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
 # -- arguments and workload ------------------------------------------------------------
+
 
 def test_default_arguments_are_nano_vllms_workload():
     args = bench.parse_args([])
@@ -48,13 +70,16 @@ def test_compare_lists_the_peers():
     assert bench.parse_args(["--compare", "hf, vllm"]).peers == ["hf", "vllm"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--min-input-len", "50", "--max-input-len", "10"], "--min-input-len (50) is larger"),
-    (["--num-seqs", "0"], "--num-seqs must be >= 1"),
-    (["--max-input-len", "3000", "--max-output-len", "2000"], "exceeds --max-model-len"),
-    (["--compare", "hf,trt"], "got trt"),
-    (["--preset", "gpt-9"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--min-input-len", "50", "--max-input-len", "10"], "--min-input-len (50) is larger"),
+        (["--num-seqs", "0"], "--num-seqs must be >= 1"),
+        (["--max-input-len", "3000", "--max-output-len", "2000"], "exceeds --max-model-len"),
+        (["--compare", "hf,trt"], "got trt"),
+        (["--preset", "gpt-9"], "invalid choice"),
+    ],
+)
 def test_bad_arguments_exit_with_a_message_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(argv)
@@ -63,8 +88,20 @@ def test_bad_arguments_exit_with_a_message_naming_them(argv, message, capsys):
 
 
 def test_same_seed_gives_the_same_workload_and_lengths_stay_in_range():
-    args = bench.parse_args(["--num-seqs", "50", "--min-input-len", "3", "--max-input-len", "9",
-                             "--min-output-len", "5", "--max-output-len", "6"])
+    args = bench.parse_args(
+        [
+            "--num-seqs",
+            "50",
+            "--min-input-len",
+            "3",
+            "--max-input-len",
+            "9",
+            "--min-output-len",
+            "5",
+            "--max-output-len",
+            "6",
+        ]
+    )
     first, again = bench.make_workload(args, 4096), bench.make_workload(args, 4096)
     assert first == again
     assert all(3 <= len(p) <= 9 for p in first.prompts)
@@ -82,8 +119,15 @@ def test_token_ids_stay_inside_a_small_vocabulary():
 
 # -- decode figures ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("preset", sorted(name for name, p in bench.PRESETS.items()
-                                    if p.config["architectures"] == ["Qwen3ForCausalLM"]))
+
+@pytest.mark.parametrize(
+    "preset",
+    sorted(
+        name
+        for name, p in bench.PRESETS.items()
+        if p.config["architectures"] == ["Qwen3ForCausalLM"]
+    ),
+)
 def test_weight_bytes_per_step_counts_every_parameter_once(preset):
     from transformers import Qwen3Config
 
@@ -104,13 +148,15 @@ def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
     # tokens 2 and 3 come from decode steps over 4 and 5 tokens (the first from prefill)
     result = {"num_decode_steps": 2, "decode_time_s": 0.5}
     figures = engines.decode_figures(result, config, "float32", workload)
-    read = (2 * engines.weight_bytes_per_step(config, 4)
-            + (4 + 5) * engines.kv_bytes_per_token(config, 4))
+    read = 2 * engines.weight_bytes_per_step(config, 4) + (4 + 5) * engines.kv_bytes_per_token(
+        config, 4
+    )
     assert figures["decode_bandwidth_gb_s"] == pytest.approx(read / 0.5 / 1e9)
     assert figures["mean_decode_step_ms"] == pytest.approx(250.0)
 
 
 # -- end to end (CPU) ----------------------------------------------------------------------
+
 
 def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_machine(tmp_path):
     out = run_bench(*TINY, "--device", "cpu", "--json", str(tmp_path / "result.json")).stdout
@@ -121,8 +167,10 @@ def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_mach
     result = json.loads((tmp_path / "result.json").read_text())["results"][0]
     assert result["output_tokens"] == result["requested_output_tokens"] == requested
     assert result["prefill_time_s"] > 0 and result["decode_time_s"] > 0
-    assert result["num_decode_steps"] >= max(bench.make_workload(
-        bench.parse_args(TINY), 4096).output_lens) - 1
+    assert (
+        result["num_decode_steps"]
+        >= max(bench.make_workload(bench.parse_args(TINY), 4096).output_lens) - 1
+    )
     # It names the CPU, its vector/matrix extensions and the dtype chosen, in both.
     machine = json.loads((tmp_path / "result.json").read_text())["machine"]
     assert f"CPU: {machine['cpu']}" in out and " ".join(machine["cpu_extensions"]) in out
@@ -132,8 +180,17 @@ def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_mach
 
 def test_compare_prints_a_row_per_engine(tmp_path):
     # This venv has no vllm: its row must say so rather than fail the run.
-    out = run_bench(*TINY, "--device", "cpu", "--compare", "hf,vllm",
-                    "--vllm-python", sys.executable, "--json", str(tmp_path / "r.json")).stdout
+    out = run_bench(
+        *TINY,
+        "--device",
+        "cpu",
+        "--compare",
+        "hf,vllm",
+        "--vllm-python",
+        sys.executable,
+        "--json",
+        str(tmp_path / "r.json"),
+    ).stdout
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert re.match(r"nanovllm\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+1\.00x$", rows["nanovllm"])
     assert re.match(r"hf\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+[\d.]+x$", rows["hf"])

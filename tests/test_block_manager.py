@@ -1,10 +1,11 @@
 """BlockManager: allocation, ref counts, and the prefix cache."""
+
 import pytest
+from invariants import check_blocks
 
 from nanovllm.core import BlockManager, Sequence
 from nanovllm.core import block_manager as bm_module
 from nanovllm.sampling_params import SamplingParams
-from invariants import check_blocks
 
 BS = 4
 
@@ -47,7 +48,7 @@ def test_can_allocate_counts_free_blocks():
     bm = BlockManager(num_blocks=3, block_size=BS)
     big = seq(list(range(13)))  # 4 blocks
     assert not bm.can_allocate(big, bm.get_cached_blocks(big))
-    ok = seq(list(range(12)))   # exactly 3 blocks
+    ok = seq(list(range(12)))  # exactly 3 blocks
     assert bm.can_allocate(ok, [])
 
 

@@ -1,6 +1,7 @@
 """torch.compile hooks (layers/compilation.py): the layers pick eager or compiled ops
 when built, and one compiled function serves every layer (no per-layer recompiles).
 Dynamo is driven with a counting backend here, so nothing is really compiled."""
+
 from collections import Counter
 
 import pytest
@@ -8,11 +9,11 @@ import torch
 
 import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.demo import build_tiny_qwen3
-from nanovllm.layers.activation import silu_and_mul
 from nanovllm.compilation import compile_scope
+from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.sampling.sampler import softmax_race
 
 HOT_OPS = (rms_norm, add_rms_norm, silu_and_mul, apply_rotary_emb, softmax_race)
@@ -24,10 +25,14 @@ def norms(llm: LLM) -> list[RMSNorm]:
 
 def test_the_cpu_path_runs_the_native_twins(checkpoints):
     with LLM(str(checkpoints["gqa"]), device="cpu", num_kvcache_blocks=8) as llm:
-        assert all(n._norm is rms_norm.native and n._add_norm is add_rms_norm.native
-                   for n in norms(llm))
-        assert all(m._fn is apply_rotary_emb.native for m in llm.model_runner.model.modules()
-                   if isinstance(m, RotaryEmbedding))
+        assert all(
+            n._norm is rms_norm.native and n._add_norm is add_rms_norm.native for n in norms(llm)
+        )
+        assert all(
+            m._fn is apply_rotary_emb.native
+            for m in llm.model_runner.model.modules()
+            if isinstance(m, RotaryEmbedding)
+        )
         assert llm.model_runner.sampler._softmax_race is softmax_race.eager  # it has no twin
 
 

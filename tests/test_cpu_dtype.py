@@ -1,9 +1,10 @@
 """dtype="auto" on a CPU: the checkpoint's half precision only where the CPU computes it
 natively, else float32 when it fits; an explicit dtype is always obeyed."""
+
 import json
+import logging
 import subprocess
 import sys
-import logging
 
 import pytest
 import torch
@@ -55,15 +56,21 @@ def bf16_checkpoint(tmp_path_factory):
 def test_engine_on_this_cpu_picks_what_the_choice_says(bf16_checkpoint, caplog):
     expected = choose_cpu_dtype("bfloat16", cpu_flags(), 4 * GIB, physical_memory()).dtype
     with caplog.at_level(logging.INFO, logger="nanovllm"):
-        with LLM(bf16_checkpoint, device="cpu", num_kvcache_blocks=8, kvcache_block_size=16,
-                 cpu_kvcache_space_gib=4) as llm:
+        with LLM(
+            bf16_checkpoint,
+            device="cpu",
+            num_kvcache_blocks=8,
+            kvcache_block_size=16,
+            cpu_kvcache_space_gib=4,
+        ) as llm:
             assert llm.model_runner.dtype == getattr(torch, expected)
     assert any(f"dtype=auto on this CPU: {expected}" in r.message for r in caplog.records)
 
 
 def test_an_explicit_dtype_is_obeyed(bf16_checkpoint):
-    with LLM(bf16_checkpoint, device="cpu", dtype="bfloat16", num_kvcache_blocks=8,
-             kvcache_block_size=16) as llm:
+    with LLM(
+        bf16_checkpoint, device="cpu", dtype="bfloat16", num_kvcache_blocks=8, kvcache_block_size=16
+    ) as llm:
         assert llm.model_runner.dtype == torch.bfloat16
 
 
@@ -84,9 +91,15 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_freed_host_memory_is_reused_without_page_faults():
     """A CPU runner keeps freed memory in the heap: the next activation of that size is
     not faulted in page by page again (12,288 4-KiB pages here)."""
+
     def faults(mode: str) -> int:
-        proc = subprocess.run([sys.executable, "-c", FAULTS_OF_A_REUSED_TENSOR, mode],
-                              capture_output=True, text=True, timeout=120, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", FAULTS_OF_A_REUSED_TENSOR, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         return int(proc.stdout.split()[-1])
 
     assert faults("default") > 10_000  # glibc unmaps a freed 64 MiB block: every page again

@@ -1,18 +1,23 @@
 """CPU linears through oneDNN's prepacked weights: the same products as F.linear, used only
 up to PACKED_MAX_ROWS rows, and a runner that packs only when the copies fit its memory."""
+
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import hf_greedy
 
+import nanovllm.layers.linear as linear_module
 import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
-import nanovllm.layers.linear as linear_module
-from nanovllm.layers.linear import (PACKED_MAX_ROWS, PACKED_MIN_WEIGHT, LinearBase, linear,
-                                    pack_linear_weights)
-
-from conftest import hf_greedy
+from nanovllm.layers.linear import (
+    PACKED_MAX_ROWS,
+    PACKED_MIN_WEIGHT,
+    LinearBase,
+    linear,
+    pack_linear_weights,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -25,7 +30,7 @@ def test_a_packed_linear_computes_what_f_linear_does(rows, with_bias):
     weight, x = torch.randn(96, 64, generator=g), torch.randn(rows, 64, generator=g)
     bias = torch.randn(96, generator=g) if with_bias else None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    expected = (x.double() @ weight.double().T + (0 if bias is None else bias.double()))
+    expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     got = linear(x, weight, bias, packed)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
@@ -47,12 +52,12 @@ def pack_every_size(monkeypatch):
 
 
 def packed_layers(llm: LLM) -> list[bool]:
-    return [m.packed is not None for m in llm.model_runner.model.modules()
-            if hasattr(m, "packed")]
+    return [m.packed is not None for m in llm.model_runner.model.modules() if hasattr(m, "packed")]
 
 
 def test_a_cpu_engine_packs_every_linear_and_the_lm_head_and_matches_transformers(
-        checkpoints, caplog, pack_every_size):
+    checkpoints, caplog, pack_every_size
+):
     path = str(checkpoints["gqa"])
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(path, device="cpu") as llm:
@@ -71,8 +76,9 @@ def test_weights_below_the_minimum_stay_on_f_linear(checkpoints):
     assert small.packed is None and big.packed is not None
 
 
-def test_no_copies_when_they_would_not_fit_a_quarter_of_the_memory(checkpoints, monkeypatch,
-                                                                  caplog, pack_every_size):
+def test_no_copies_when_they_would_not_fit_a_quarter_of_the_memory(
+    checkpoints, monkeypatch, caplog, pack_every_size
+):
     monkeypatch.setattr(model_runner, "physical_memory", lambda: 1024)
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(str(checkpoints["gqa"]), device="cpu") as llm:
@@ -80,8 +86,9 @@ def test_no_copies_when_they_would_not_fit_a_quarter_of_the_memory(checkpoints, 
     assert "would exceed a quarter of the RAM" in caplog.text
 
 
-def test_a_dtype_onednn_cannot_pack_leaves_every_layer_on_f_linear(checkpoints, monkeypatch,
-                                                                   caplog, pack_every_size):
+def test_a_dtype_onednn_cannot_pack_leaves_every_layer_on_f_linear(
+    checkpoints, monkeypatch, caplog, pack_every_size
+):
     calls = []
 
     def fail_on_the_third(weight, batch_size):

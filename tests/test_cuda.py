@@ -2,28 +2,35 @@
 KV-cache sizing against gpu_memory_utilization, one host sync per step, compiled ops
 against eager ones, and close() releasing everything. Skipped without CUDA; on a GPU box
 scripts/gpu_check.sh runs them (`pytest -m cuda`)."""
+
 import gc
 import importlib.util
 import types
 
 import pytest
 import torch
+from conftest import hf_greedy
+from graph_cases import (
+    BLOCK,
+    EDGE_MAX_MODEL_LEN,
+    edge_of_max_model_len,
+    graph_workload,
+    record_replays,
+)
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import PENDING
-from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
-from nanovllm.sampling.sampler import softmax_race
+from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.runner.cuda_graph import capture_batch_sizes
+from nanovllm.sampling.sampler import softmax_race
 
-from conftest import hf_greedy
-from graph_cases import (BLOCK, EDGE_MAX_MODEL_LEN, edge_of_max_model_len, graph_workload,
-                         record_replays)
-
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 # float32: the graphs (compiled ops, the decode kernel's split over the buffer's full
@@ -36,16 +43,27 @@ def token_ids(outputs: list[dict]) -> list[list[int]]:
     return [o["token_ids"] for o in outputs]
 
 
-@pytest.mark.parametrize("backend,block_size", [
-    ("triton", BLOCK),
-    pytest.param("flash_attn", 256, marks=pytest.mark.skipif(not HAS_FLASH_ATTN,
-                                                             reason="flash-attn not installed")),
-])
+@pytest.mark.parametrize(
+    "backend,block_size",
+    [
+        ("triton", BLOCK),
+        pytest.param(
+            "flash_attn",
+            256,
+            marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"),
+        ),
+    ],
+)
 def test_graphs_give_eager_mode_and_transformers_greedy_tokens(checkpoints, backend, block_size):
     path = str(checkpoints["gqa"])
     prompts, params = graph_workload()
-    common = dict(F32, attention_backend=backend, kvcache_block_size=block_size, max_num_seqs=40,
-                  max_num_batched_tokens=96)
+    common = dict(
+        F32,
+        attention_backend=backend,
+        kvcache_block_size=block_size,
+        max_num_seqs=40,
+        max_num_batched_tokens=96,
+    )
     with LLM(path, enforce_eager=True, **common) as llm:
         eager = token_ids(llm.generate(prompts, params, use_tqdm=False))
     with LLM(path, **common) as llm:
@@ -64,8 +82,9 @@ def test_decode_at_the_last_position_of_max_model_len_replays_a_graph(checkpoint
     path = str(checkpoints["mqa"])
     prompts, lengths = edge_of_max_model_len()
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    with LLM(path, kvcache_block_size=BLOCK, max_num_seqs=4, max_model_len=EDGE_MAX_MODEL_LEN,
-             **F32) as llm:
+    with LLM(
+        path, kvcache_block_size=BLOCK, max_num_seqs=4, max_model_len=EDGE_MAX_MODEL_LEN, **F32
+    ) as llm:
         replays = record_replays(llm.model_runner.graph_runner)
         outputs = token_ids(llm.generate(prompts, params, use_tqdm=False))
     assert replays
@@ -76,9 +95,16 @@ def test_decode_at_the_last_position_of_max_model_len_replays_a_graph(checkpoint
 def wide_kv_model(tmp_path_factory):
     """32 KiB of float32 KV per token: a cache of max_num_seqs full sequences (64 GiB)
     would not fit the budgets below, so the budget decides the size, not that cap."""
-    return build_tiny_qwen3(tmp_path_factory.mktemp("wide_kv"), hidden_size=256, num_heads=8,
-                            num_kv_heads=8, head_dim=128, intermediate_size=512, num_layers=4,
-                            max_position_embeddings=4096)
+    return build_tiny_qwen3(
+        tmp_path_factory.mktemp("wide_kv"),
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=512,
+        num_layers=4,
+        max_position_embeddings=4096,
+    )
 
 
 def test_kv_cache_sizing_respects_gpu_memory_utilization(wide_kv_model):
@@ -104,11 +130,23 @@ def test_a_budget_below_one_block_says_what_to_change(wide_kv_model):
 
 SAMPLING_OPTIONS = [
     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1, min_tokens=3,
-                   stop_token_ids=[7], repetition_penalty=1.2, presence_penalty=0.5,
-                   frequency_penalty=0.5, max_tokens=8, ignore_eos=True),
-    SamplingParams(temperature=0.7, top_k=5, max_tokens=8, ignore_eos=True,
-                   logit_bias={3: 2.0, 9: -1.5}),
+    SamplingParams(
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.05,
+        seed=1,
+        min_tokens=3,
+        stop_token_ids=[7],
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        max_tokens=8,
+        ignore_eos=True,
+    ),
+    SamplingParams(
+        temperature=0.7, top_k=5, max_tokens=8, ignore_eos=True, logit_bias={3: 2.0, 9: -1.5}
+    ),
     SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True),
 ]
 
@@ -119,8 +157,13 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
     torch.cuda.set_sync_debug_mode("error"), every sampling option on."""
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 30, 40)]
-    with LLM(str(checkpoints["gqa"]), kvcache_block_size=BLOCK, num_kvcache_blocks=64,
-             enforce_eager=enforce_eager, **FEW_GRAPHS) as llm:
+    with LLM(
+        str(checkpoints["gqa"]),
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        enforce_eager=enforce_eager,
+        **FEW_GRAPHS,
+    ) as llm:
         for _ in range(2):  # compile and grow caches; the second time with prefix-cache hits
             llm.generate(prompts, SAMPLING_OPTIONS, use_tqdm=False)
         for prompt, params in zip(prompts, SAMPLING_OPTIONS):
@@ -169,13 +212,15 @@ def test_enforce_eager_runs_without_graphs_or_compiled_ops(checkpoints):
     with LLM(path, num_kvcache_blocks=16, enforce_eager=True, **FEW_GRAPHS) as llm:
         runner = llm.model_runner
         assert runner.graph_runner is None
-        assert all(n._norm is rms_norm.eager for n in runner.model.modules()
-                   if isinstance(n, RMSNorm))
+        assert all(
+            n._norm is rms_norm.eager for n in runner.model.modules() if isinstance(n, RMSNorm)
+        )
     with LLM(path, num_kvcache_blocks=16, **FEW_GRAPHS) as llm:
         runner = llm.model_runner
         assert runner.graph_runner is not None
-        assert all(n._norm is not rms_norm.eager for n in runner.model.modules()
-                   if isinstance(n, RMSNorm))
+        assert all(
+            n._norm is not rms_norm.eager for n in runner.model.modules() if isinstance(n, RMSNorm)
+        )
     with LLM(path, num_kvcache_blocks=16, attention_backend="torch", **FEW_GRAPHS) as llm:
         assert llm.model_runner.graph_runner is None  # its store_kvcache syncs: decode eagerly
 
@@ -188,8 +233,17 @@ def test_closing_releases_the_graphs_and_the_kv_cache(checkpoints):
         llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
         graphs = llm.model_runner.graph_runner
         llm.close()
-        assert graphs.graphs == {} and all(getattr(graphs, buffer) is None for buffer in (
-            "input_ids", "positions", "slot_mapping", "context_lens", "block_tables", "outputs"))
+        assert graphs.graphs == {} and all(
+            getattr(graphs, buffer) is None
+            for buffer in (
+                "input_ids",
+                "positions",
+                "slot_mapping",
+                "context_lens",
+                "block_tables",
+                "outputs",
+            )
+        )
         del llm, graphs
         gc.collect()
         torch.cuda.empty_cache()
@@ -213,12 +267,14 @@ def test_tensor_parallel_graphs_match_one_rank(checkpoints):
 
 # -- compiled ops against eager ones ------------------------------------------------
 
+
 def compiled_copy(fn):
     """torch.compile of a copy of `fn` with a code object of its own, so that these
     compilations neither reuse nor add to the cache (and recompile limit) of the compiled
     ops the engines share; fullgraph: no silent fallback to eager."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
     return torch.compile(copy, fullgraph=True)
 
 
@@ -230,11 +286,13 @@ def op_cases(dtype: torch.dtype) -> list[tuple]:
 
     cache = get_rope(128, 4096, {"rope_theta": 1e6}).cos_sin_cache.cuda()
     positions = torch.randint(0, 4096, (37,), generator=g).cuda()
-    return [(rms_norm, (randn(37, 1024), randn(1024), 1e-6)),
-            (rms_norm, (randn(37, 16, 128), randn(128), 1e-6)),
-            (add_rms_norm, (randn(37, 1024), randn(37, 1024), randn(1024), 1e-6)),
-            (silu_and_mul, (randn(37, 2 * 3072),)),
-            (apply_rotary_emb, (positions, randn(37, 16, 128), randn(37, 8, 128), cache))]
+    return [
+        (rms_norm, (randn(37, 1024), randn(1024), 1e-6)),
+        (rms_norm, (randn(37, 16, 128), randn(128), 1e-6)),
+        (add_rms_norm, (randn(37, 1024), randn(37, 1024), randn(1024), 1e-6)),
+        (silu_and_mul, (randn(37, 2 * 3072),)),
+        (apply_rotary_emb, (positions, randn(37, 16, 128), randn(37, 8, 128), cache)),
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,29 +1,41 @@
 """The CUDA-graph runner's logic on the CPU: which sizes are captured, how a batch is
 padded into the static buffers, and the whole engine running its decode steps through
 those buffers with a stand-in for the graphs (test_cuda.py replays real ones)."""
+
 import pytest
 import torch
+from conftest import hf_greedy
+from graph_cases import (
+    BLOCK,
+    EDGE_MAX_MODEL_LEN,
+    edge_of_max_model_len,
+    graph_workload,
+    record_replays,
+)
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
-from nanovllm.runner.cuda_graph import (CUDAGraphRunner, block_table_width, capture_batch_sizes,
-                                        use_cuda_graphs)
-
-from conftest import hf_greedy
-from graph_cases import (BLOCK, EDGE_MAX_MODEL_LEN, edge_of_max_model_len, graph_workload,
-                         record_replays)
+from nanovllm.runner.cuda_graph import (
+    CUDAGraphRunner,
+    block_table_width,
+    capture_batch_sizes,
+    use_cuda_graphs,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU is touched
 
 
-@pytest.mark.parametrize("max_num_seqs,sizes", [
-    (512, [1, 2, 4, 8] + list(range(16, 513, 16))),
-    (2000, [1, 2, 4, 8] + list(range(16, 513, 16))),  # 512 at most: larger batches run eagerly
-    (40, [1, 2, 4, 8, 16, 32, 40]),                    # the limit itself, so 33..40 replay too
-    (16, [1, 2, 4, 8, 16]),
-    (3, [1, 2, 3]),
-    (1, [1]),
-])
+@pytest.mark.parametrize(
+    "max_num_seqs,sizes",
+    [
+        (512, [1, 2, 4, 8] + list(range(16, 513, 16))),
+        (2000, [1, 2, 4, 8] + list(range(16, 513, 16))),  # 512 at most: larger batches run eagerly
+        (40, [1, 2, 4, 8, 16, 32, 40]),  # the limit itself, so 33..40 replay too
+        (16, [1, 2, 4, 8, 16]),
+        (3, [1, 2, 3]),
+        (1, [1]),
+    ],
+)
 def test_captured_batch_sizes(max_num_seqs, sizes):
     assert capture_batch_sizes(max_num_seqs) == sizes
 
@@ -42,28 +54,43 @@ def test_graphs_only_on_cuda_with_a_capturable_backend_and_not_under_enforce_eag
     assert not use_cuda_graphs(CPU, False, "torch")
 
 
-def decode_metadata(block_tables: list[list[int]], slots: list[int],
-                    context_lens: list[int]) -> ForwardContext:
-    decode = AttentionMetadata(block_tables=torch.tensor(block_tables, dtype=torch.int32),
-                               context_lens=torch.tensor(context_lens, dtype=torch.int32))
+def decode_metadata(
+    block_tables: list[list[int]], slots: list[int], context_lens: list[int]
+) -> ForwardContext:
+    decode = AttentionMetadata(
+        block_tables=torch.tensor(block_tables, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+    )
     return ForwardContext(torch.tensor(slots), decode=decode, num_decode_tokens=len(slots))
 
 
 def test_loading_a_batch_pads_its_rows_and_clears_what_the_last_one_left():
     # 8 rows; a block table of 4 blocks of 4 holds max_model_len 15 + the decoded token
-    buffers = CUDAGraphRunner(None, hidden_size=2, max_num_seqs=8, max_model_len=15, block_size=4,
-                              dtype=torch.float32, device=CPU)
-    wide = decode_metadata([[5, 6, 7], [1, 2, -1], [3, -1, -1], [4, 9, 8]], [40, 17, 50, 70],
-                           [41, 18, 3, 35])
+    buffers = CUDAGraphRunner(
+        None,
+        hidden_size=2,
+        max_num_seqs=8,
+        max_model_len=15,
+        block_size=4,
+        dtype=torch.float32,
+        device=CPU,
+    )
+    wide = decode_metadata(
+        [[5, 6, 7], [1, 2, -1], [3, -1, -1], [4, 9, 8]], [40, 17, 50, 70], [41, 18, 3, 35]
+    )
     buffers.load(torch.tensor([11, 12, 13, 14]), torch.tensor([40, 17, 2, 34]), wide, size=4)
     narrow = decode_metadata([[7], [2]], [9, 3], [10, 4])
     buffers.load(torch.tensor([21, 22]), torch.tensor([9, 3]), narrow, size=4)
     assert buffers.input_ids[:2].tolist() == [21, 22]
     assert buffers.positions[:2].tolist() == [9, 3]
-    assert buffers.slot_mapping[:4].tolist() == [9, 3, -1, -1]     # padding writes nothing
-    assert buffers.context_lens[:4].tolist() == [10, 4, 0, 0]      # padding reads nothing
-    assert buffers.block_tables[:4].tolist() == [[7, -1, -1, -1], [2, -1, -1, -1],
-                                                 [-1] * 4, [-1] * 4]
+    assert buffers.slot_mapping[:4].tolist() == [9, 3, -1, -1]  # padding writes nothing
+    assert buffers.context_lens[:4].tolist() == [10, 4, 0, 0]  # padding reads nothing
+    assert buffers.block_tables[:4].tolist() == [
+        [7, -1, -1, -1],
+        [2, -1, -1, -1],
+        [-1] * 4,
+        [-1] * 4,
+    ]
     view = buffers.metadata(4)
     assert view.prefill is None and view.num_decode_tokens == 4
     assert view.decode.block_tables.data_ptr() == buffers.block_tables.data_ptr()
@@ -93,9 +120,15 @@ class _EagerReplay:
 def with_stand_in_graphs(llm: LLM) -> list[int]:
     runner = llm.model_runner
     config = llm.config
-    runner.graph_runner = ReplayEagerly(runner.model, config.hf_config.hidden_size,
-                                        config.max_num_seqs, config.max_model_len,
-                                        config.kvcache_block_size, runner.dtype, runner.device)
+    runner.graph_runner = ReplayEagerly(
+        runner.model,
+        config.hf_config.hidden_size,
+        config.max_num_seqs,
+        config.max_model_len,
+        config.kvcache_block_size,
+        runner.dtype,
+        runner.device,
+    )
     runner.graph_runner.capture()
     return record_replays(runner.graph_runner)
 
@@ -103,8 +136,13 @@ def with_stand_in_graphs(llm: LLM) -> list[int]:
 def test_decode_through_the_padded_static_buffers_matches_transformers(checkpoints):
     path = str(checkpoints["gqa"])
     prompts, params = graph_workload()
-    with LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=160, max_num_seqs=40,
-             max_num_batched_tokens=96) as llm:
+    with LLM(
+        path,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=160,
+        max_num_seqs=40,
+        max_num_batched_tokens=96,
+    ) as llm:
         replays = with_stand_in_graphs(llm)
         outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.scheduler.block_manager.num_cache_hit_blocks >= 2  # the identical prompts
@@ -116,8 +154,13 @@ def test_decode_at_the_last_position_of_max_model_len_fits_the_buffers(checkpoin
     path = str(checkpoints["gqa"])
     prompts, lengths = edge_of_max_model_len()
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    with LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_num_seqs=4,
-             max_model_len=EDGE_MAX_MODEL_LEN) as llm:
+    with LLM(
+        path,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=32,
+        max_num_seqs=4,
+        max_model_len=EDGE_MAX_MODEL_LEN,
+    ) as llm:
         replays = with_stand_in_graphs(llm)
         outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert replays  # the last decode steps went through the buffers

@@ -1,4 +1,5 @@
 """LLMEngine.step(): what one step reports, by plain counting."""
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import EngineStats, StepOutput
 
@@ -11,8 +12,13 @@ def test_an_idle_step_returns_an_empty_step_output_without_running_the_model(che
 
 
 def test_a_step_counts_the_prompt_and_decode_tokens_it_computed(checkpoints):
-    with LLM(str(checkpoints["gqa"]), device="cpu", num_kvcache_blocks=16, kvcache_block_size=16,
-             max_num_batched_tokens=32) as llm:
+    with LLM(
+        str(checkpoints["gqa"]),
+        device="cpu",
+        num_kvcache_blocks=16,
+        kvcache_block_size=16,
+        max_num_batched_tokens=32,
+    ) as llm:
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         llm.add_request(list(range(1, 41)), params)  # 40 tokens: chunks of 32 and 8
         llm.add_request([5, 6, 7], params)
@@ -24,12 +30,19 @@ def test_a_step_counts_the_prompt_and_decode_tokens_it_computed(checkpoints):
 
 
 def test_a_step_reports_every_new_token_and_stats_count_the_queues_and_blocks(checkpoints):
-    with LLM(str(checkpoints["gqa"]), device="cpu", num_kvcache_blocks=16, kvcache_block_size=16,
-             max_num_batched_tokens=32) as llm:
-        llm.add_request(list(range(1, 41)), SamplingParams(temperature=0, max_tokens=3,
-                                                           ignore_eos=True))
-        llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
-                                                  n=2, logprobs=1))
+    with LLM(
+        str(checkpoints["gqa"]),
+        device="cpu",
+        num_kvcache_blocks=16,
+        kvcache_block_size=16,
+        max_num_batched_tokens=32,
+    ) as llm:
+        llm.add_request(
+            list(range(1, 41)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
+        llm.add_request(
+            [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2, logprobs=1)
+        )
         assert llm.stats() == EngineStats(num_running=0, num_waiting=3, kv_cache_usage=0.0)
         streamed, finished = {}, {}
         first = llm.step()  # a 32-token chunk of the 40-token prompt (3 blocks): no token yet

@@ -5,6 +5,7 @@ TRITON_INTERPRET when a kernel is defined, so they run here in a subprocess with
 TRITON_INTERPRET=1 (the CPU interpreter), leaving this process's environment alone; on
 a CUDA machine pytest also runs that folder directly, on the GPU.
 """
+
 import os
 import re
 import subprocess
@@ -32,9 +33,14 @@ def flash_attn_installed() -> bool:
 
 def test_kernels_match_torch_reference_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(KERNEL_TESTS)], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=KERNEL_TESTS.parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(KERNEL_TESTS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=KERNEL_TESTS.parent.parent,
+    )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     passed = re.search(r"(\d+) passed", summary)
@@ -98,8 +104,8 @@ def test_decode_splits_depend_on_shapes_only(monkeypatch):
     monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
     splits = paged_attention.decode_num_splits
     assert splits(1, 8, 4096, CUDA) == paged_attention.MAX_SPLITS  # few programs, long context
-    assert splits(1, 8, 512, CUDA) == 2                             # >= 256 keys per split
-    assert splits(512, 8, 4096, CUDA) == 1                          # the batch fills the GPU
-    assert splits(4, 8, 4096, CUDA) == 8                            # ceil(264 / 32) = 9, down to 2**3
+    assert splits(1, 8, 512, CUDA) == 2  # >= 256 keys per split
+    assert splits(512, 8, 4096, CUDA) == 1  # the batch fills the GPU
+    assert splits(4, 8, 4096, CUDA) == 8  # ceil(264 / 32) = 9, down to 2**3
     monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 0)
-    assert splits(1, 1, 4096, CPU) == 1                             # interpreter: never split
+    assert splits(1, 1, 4096, CPU) == 1  # interpreter: never split

@@ -1,10 +1,15 @@
 """KV-cache sizing arithmetic (runner/kv_cache.py), by plain reasoning: pure functions of
 a memory profile, so the CUDA budget is checked on the CPU with made-up devices."""
+
 import pytest
 
 from nanovllm import LLM
-from nanovllm.runner.kv_cache import (SAFETY_MARGIN, MemoryProfile, kv_cache_budget,
-                                      num_blocks_within)
+from nanovllm.runner.kv_cache import (
+    SAFETY_MARGIN,
+    MemoryProfile,
+    kv_cache_budget,
+    num_blocks_within,
+)
 
 GIB = 2**30
 
@@ -20,7 +25,9 @@ def test_alone_on_the_device_the_cache_takes_the_cap_less_our_peak():
 
 
 def test_the_graph_pool_still_to_come_is_left_out():
-    assert kv_cache_budget(profile(graph_pool=1), 0.9) == int(0.9 * 80 * GIB) - 7 * GIB - SAFETY_MARGIN
+    assert (
+        kv_cache_budget(profile(graph_pool=1), 0.9) == int(0.9 * 80 * GIB) - 7 * GIB - SAFETY_MARGIN
+    )
 
 
 def test_other_processes_do_not_shrink_our_cap_while_enough_is_free():
@@ -34,14 +41,17 @@ def test_never_more_than_is_free_less_the_activations_we_need_again():
 
 
 def test_nothing_left_is_zero_never_negative():
-    assert kv_cache_budget(profile(free=1), 0.9) == 0          # others took everything
-    assert kv_cache_budget(profile(peak=10), 0.1) == 0         # our cap is below our peak
+    assert kv_cache_budget(profile(free=1), 0.9) == 0  # others took everything
+    assert kv_cache_budget(profile(peak=10), 0.1) == 0  # our cap is below our peak
 
 
 def test_blocks_are_whole_and_fewer_than_one_is_a_value_error_naming_what_to_change():
     assert num_blocks_within(10 * 1024 + 5, 1024, "hint") == 10
-    with pytest.raises(ValueError, match=r"even one KV-cache block \(1024 bytes; 1000 bytes "
-                                         r"left\); raise gpu_memory_utilization"):
+    with pytest.raises(
+        ValueError,
+        match=r"even one KV-cache block \(1024 bytes; 1000 bytes "
+        r"left\); raise gpu_memory_utilization",
+    ):
         num_blocks_within(1000, 1024, "raise gpu_memory_utilization")
 
 

@@ -1,5 +1,6 @@
 """Checkpoint loading: every tensor must find a parameter and every shape must match;
 otherwise a ValueError names the tensor."""
+
 import json
 import shutil
 
@@ -28,17 +29,25 @@ def test_missing_tensor_is_named(checkpoints, tmp_path):
 def test_extra_tensor_is_named(checkpoints, tmp_path):
     def add(t):
         t["model.layers.0.mlp.surprise.weight"] = torch.zeros(2, 2)
+
     path = edited_checkpoint(checkpoints["gqa"], tmp_path / "m", add)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.surprise\.weight"):
         LLM(path, num_kvcache_blocks=4)
 
 
-@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj.weight",
-                                  "model.layers.0.self_attn.o_proj.weight",
-                                  "model.norm.weight", "model.embed_tokens.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.norm.weight",
+        "model.embed_tokens.weight",
+    ],
+)
 def test_wrong_shape_is_named(checkpoints, tmp_path, name):
     def shrink(t):
         t[name] = t[name][:-1].clone()
+
     path = edited_checkpoint(checkpoints["gqa"], tmp_path / "m", shrink)
     with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*shape"):
         LLM(path, num_kvcache_blocks=4)
@@ -61,7 +70,8 @@ def test_dummy_weights_need_only_config_json(checkpoints, tmp_path):
 
 
 def test_dummy_weights_are_random_matrices_of_the_configs_std_unit_norms_and_zero_biases(
-        checkpoints, tmp_path):
+    checkpoints, tmp_path
+):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(checkpoints["mqa"] / name, tmp_path / name)  # mqa: attention biases
     std = json.loads((tmp_path / "config.json").read_text())["initializer_range"]
@@ -90,7 +100,7 @@ def test_dummy_weights_are_random_matrices_of_the_configs_std_unit_norms_and_zer
 
 def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path):
     shutil.copytree(checkpoints["gqa"], tmp_path / "m")
-    config = (tmp_path / "m" / "config.json")
+    config = tmp_path / "m" / "config.json"
     config.write_text(config.read_text().replace("Qwen3ForCausalLM", "GPT2LMHeadModel"))
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         LLM(str(tmp_path / "m"), num_kvcache_blocks=4)

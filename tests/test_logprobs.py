@@ -2,15 +2,15 @@
 (float32, within 1e-4): the raw distribution, before temperature and penalties, through
 chunked prefill, prefix caching, preemption and TP=2; which rows are computed, by
 plain reasoning."""
+
 import pytest
 import torch
+from conftest import hf_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import Scheduler, Sequence
 from nanovllm.runner.step_inputs import logits_rows, prepare_inputs
 from nanovllm.sampling.logprobs import find_logprob_rows
-
-from conftest import hf_model
 
 BLOCK = 16
 TOL = 1e-4
@@ -50,8 +50,9 @@ def assert_request_matches_hf(path: str, out, k: int, prompt_k: int | None) -> N
         assert len(completion.logprobs) == len(completion.token_ids)
         for j, (entries, token) in enumerate(zip(completion.logprobs, completion.token_ids)):
             assert_entry(entries, rows[len(prompt) - 1 + j], token, k)
-        expected = sum(rows[len(prompt) - 1 + j, t].item()
-                       for j, t in enumerate(completion.token_ids))
+        expected = sum(
+            rows[len(prompt) - 1 + j, t].item() for j, t in enumerate(completion.token_ids)
+        )
         assert abs(completion.cumulative_logprob - expected) < TOL * len(completion.token_ids)
     if prompt_k is None:
         assert out.prompt_logprobs is None
@@ -69,14 +70,25 @@ def path(checkpoints) -> str:
 
 def test_logprobs_are_the_raw_distribution_before_temperature_and_penalties(path):
     prompts = make_prompts([5, 21, 40], seed=1)
-    params = [SamplingParams(temperature=0.7, repetition_penalty=1.4, seed=3, max_tokens=12,
-                             ignore_eos=True, logprobs=4, prompt_logprobs=3),
-              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=0),
-              SamplingParams(temperature=1.3, top_k=5, max_tokens=7, ignore_eos=True,
-                             logprobs=2, prompt_logprobs=0)]
+    params = [
+        SamplingParams(
+            temperature=0.7,
+            repetition_penalty=1.4,
+            seed=3,
+            max_tokens=12,
+            ignore_eos=True,
+            logprobs=4,
+            prompt_logprobs=3,
+        ),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=0),
+        SamplingParams(
+            temperature=1.3, top_k=5, max_tokens=7, ignore_eos=True, logprobs=2, prompt_logprobs=0
+        ),
+    ]
     # a budget of 16 tokens: the 21- and 40-token prompts are prefilled in chunks
-    with LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=32,
-             max_num_batched_tokens=16) as llm:
+    with LLM(
+        path, kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_num_batched_tokens=16
+    ) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     for out, sp in zip(outs, params):
         assert_request_matches_hf(path, out, sp.logprobs, sp.prompt_logprobs)
@@ -85,12 +97,13 @@ def test_logprobs_are_the_raw_distribution_before_temperature_and_penalties(path
 def test_prompt_logprobs_are_all_there_even_when_the_prompt_is_in_the_prefix_cache(path):
     prompt = make_prompts([3 * BLOCK + 4], seed=2)[0]
     plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    asking = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=2)
+    asking = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=2
+    )
     with LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=32) as llm:
         first = llm.generate([prompt], asking, use_tqdm=False)[0]
-        cached = llm.generate([prompt], plain, use_tqdm=False)[0]   # 3 blocks are hits
-        again = llm.generate([prompt], asking, use_tqdm=False)[0]   # hits not taken
+        cached = llm.generate([prompt], plain, use_tqdm=False)[0]  # 3 blocks are hits
+        again = llm.generate([prompt], asking, use_tqdm=False)[0]  # hits not taken
     assert (first.num_cached_tokens, cached.num_cached_tokens) == (0, 3 * BLOCK)
     assert again.num_cached_tokens == 0
     assert cached.outputs[0].logprobs is None and cached.prompt_logprobs is None
@@ -99,27 +112,37 @@ def test_prompt_logprobs_are_all_there_even_when_the_prompt_is_in_the_prefix_cac
 
 
 def test_logprobs_survive_forced_preemption_in_decode_and_in_the_middle_of_a_prompt(
-        path, monkeypatch):
+    path, monkeypatch
+):
     preempted = []  # (prompt logprobs owed, entries recorded) of each victim
     real_preempt = Scheduler.preempt
-    monkeypatch.setattr(Scheduler, "preempt", lambda self, seq: (
-        preempted.append((seq.needs_prompt_logits, len(seq.prompt_logprobs or ()))),
-        real_preempt(self, seq)))
+    monkeypatch.setattr(
+        Scheduler,
+        "preempt",
+        lambda self, seq: (
+            preempted.append((seq.needs_prompt_logits, len(seq.prompt_logprobs or ()))),
+            real_preempt(self, seq),
+        ),
+    )
     decoding = make_prompts([20, 30, 12, 25], seed=4)
-    params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True,
-                            logprobs=3, prompt_logprobs=2)
+    params = SamplingParams(
+        temperature=0.9, seed=5, max_tokens=20, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
     # 8 blocks: the 15-token prompt decodes into a 2nd block while the 100-token one holds
     # the other 7 a chunk of 16 at a time, so that one is preempted mid-prompt.
     long_decode = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
-    long_prompt = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2,
-                                 prompt_logprobs=3)
-    with LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=8,
-             max_num_batched_tokens=24) as llm:
+    long_prompt = SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=3
+    )
+    with LLM(
+        path, kvcache_block_size=BLOCK, num_kvcache_blocks=8, max_num_batched_tokens=24
+    ) as llm:
         outs = llm.generate(decoding, params, use_tqdm=False)
         assert preempted and not any(owed for owed, _ in preempted)
         llm.scheduler.max_num_batched_tokens = 16
-        mixed = llm.generate(make_prompts([15, 100], seed=8), [long_decode, long_prompt],
-                             use_tqdm=False)
+        mixed = llm.generate(
+            make_prompts([15, 100], seed=8), [long_decode, long_prompt], use_tqdm=False
+        )
     assert (True, 1 + 16) in preempted  # after the chunks of 1 and 15 tokens
     for out in outs:
         assert_request_matches_hf(path, out, 3, 2)
@@ -129,16 +152,23 @@ def test_logprobs_survive_forced_preemption_in_decode_and_in_the_middle_of_a_pro
 
 def test_logprobs_with_tensor_parallelism_are_gathered_on_rank_0(path):
     prompts = make_prompts([7, 37], seed=6)
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True,
-                            logprobs=5, prompt_logprobs=4)
-    with LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=32, tensor_parallel_size=2,
-             max_num_batched_tokens=16) as llm:
+    params = SamplingParams(
+        temperature=0.8, seed=1, max_tokens=10, ignore_eos=True, logprobs=5, prompt_logprobs=4
+    )
+    with LLM(
+        path,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=32,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+    ) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     for out in outs:
         assert_request_matches_hf(path, out, 5, 4)
 
 
 # -- which rows, by plain reasoning ---------------------------------------------------
+
 
 def chunk(seq: Sequence, start: int, n: int) -> Sequence:
     seq.num_cached_tokens, seq.num_scheduled_tokens = start, n
@@ -147,8 +177,10 @@ def chunk(seq: Sequence, start: int, n: int) -> Sequence:
 
 
 def test_without_logprobs_the_lm_head_computes_one_row_per_sequence():
-    seqs = [chunk(Sequence(list(range(3, 43)), SamplingParams(), 16), 0, 40),
-            chunk(Sequence([5, 6, 7], SamplingParams(), 16), 0, 3)]
+    seqs = [
+        chunk(Sequence(list(range(3, 43)), SamplingParams(), 16), 0, 40),
+        chunk(Sequence([5, 6, 7], SamplingParams(), 16), 0, 3),
+    ]
     assert logits_rows(seqs) is None and find_logprob_rows(seqs, None) is None
     ctx = prepare_inputs(seqs, 16).context
     assert ctx.logits_indices.tolist() == [39, 42]

@@ -3,21 +3,27 @@ checkpoints written as published ones are (tests/families.py): greedy tokens ide
 and prefill logits within 1e-5 (float32, CPU), through chunked prefill and prefix-cache
 hits; tensor parallelism (2 ranks over gloo) for Llama and Qwen3-MoE; a sharded
 checkpoint with its index; every unsupported option refused by name."""
+
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import hf_greedy, hf_model
+from families import (
+    FAMILIES,
+    LLAMA3_ROPE,
+    build_family_checkpoint,
+    build_tokenizer_once,
+    edit_config,
+)
 from safetensors.torch import load_file, save_file
 
-from families import FAMILIES, LLAMA3_ROPE, build_family_checkpoint, build_tokenizer_once, edit_config
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.core import Sequence
 from nanovllm.runner.step_inputs import prepare_inputs
-
-from conftest import hf_greedy, hf_model
 
 BLOCK = 16
 NEW_TOKENS = 16
@@ -63,6 +69,7 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 
 # -- each family against transformers -------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_batch_matches_transformers(families, name):
     prompts = make_prompts()
@@ -77,8 +84,9 @@ def test_prefill_logits_match_transformers(families, name):
     with LLM(str(path), kvcache_block_size=BLOCK, num_kvcache_blocks=64) as llm:
         ours = prefill_logits(llm, prompts)
     with torch.inference_mode():
-        theirs = torch.stack([hf_model(str(path))(torch.tensor([p])).logits[0, -1]
-                              for p in prompts])
+        theirs = torch.stack(
+            [hf_model(str(path))(torch.tensor([p])).logits[0, -1] for p in prompts]
+        )
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() < 1e-5
 
@@ -87,8 +95,9 @@ def test_prefill_logits_match_transformers(families, name):
 def test_chunked_prefill_then_prefix_hits_match_transformers(families, name):
     """The prompts in chunks of at most 24 tokens, then again from the prefix cache."""
     path, prompts = families[name], make_prompts()
-    with LLM(str(path), kvcache_block_size=BLOCK, num_kvcache_blocks=64,
-             max_num_batched_tokens=24) as llm:
+    with LLM(
+        str(path), kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_num_batched_tokens=24
+    ) as llm:
         chunked = generate(llm, prompts)
         block_manager = llm.scheduler.block_manager
         hits_before = block_manager.num_cache_hit_blocks
@@ -103,8 +112,10 @@ def test_llama_and_qwen3_moe_at_tp2_match_transformers(families):
     Qwen3-MoE's experts sharded along their intermediate dimension."""
     paths = [families["llama"], families["qwen3_moe"]]
     prompts = make_prompts()  # test_greedy_batch_matches_transformers': answers cached
-    engines = [LLM(str(path), tensor_parallel_size=2, kvcache_block_size=BLOCK,
-                   num_kvcache_blocks=64) for path in paths]
+    engines = [
+        LLM(str(path), tensor_parallel_size=2, kvcache_block_size=BLOCK, num_kvcache_blocks=64)
+        for path in paths
+    ]
     try:
         outputs = [generate(llm, prompts) for llm in engines]
     finally:
@@ -115,13 +126,25 @@ def test_llama_and_qwen3_moe_at_tp2_match_transformers(families):
 
 # -- Qwen3-MoE's parts ---------------------------------------------------------------------
 
+
 def tiny_moe_config(**overrides):
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**dict(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                 moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
-                                 num_hidden_layers=4, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=8) | overrides)
+    return Qwen3MoeConfig(
+        **dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+        | overrides
+    )
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -154,12 +177,13 @@ def load_experts(experts, gate_up: torch.Tensor, down: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_loads_its_slice_of_every_experts_intermediate_dimension(rank):
-    from nanovllm.models.moe import FusedMoE
     from nanovllm.distributed.group import TPGroup, tp_group_scope
+    from nanovllm.models.moe import FusedMoE
 
     with tp_group_scope(TPGroup(rank=rank, size=2)):
-        experts = FusedMoE(num_experts=3, top_k=2, hidden_size=4, intermediate_size=6,
-                           renormalize=True)
+        experts = FusedMoE(
+            num_experts=3, top_k=2, hidden_size=4, intermediate_size=6, renormalize=True
+        )
     gate_up, down = torch.randn(3, 12, 4), torch.randn(3, 4, 6)
     load_experts(experts, gate_up, down)
     gate, up = gate_up.chunk(2, dim=1)
@@ -180,11 +204,13 @@ def test_sparse_layers_are_transformers_ones(step, mlp_only_layers):
     with torch.device("meta"):
         ours, theirs = Qwen3MoeForCausalLM(config), HF(config)
     sparse = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in ours.model.layers]
-    assert sparse == [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock"
-                      for layer in theirs.model.layers]
+    assert sparse == [
+        type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in theirs.model.layers
+    ]
 
 
 # -- a sharded checkpoint -----------------------------------------------------------------
+
 
 def test_a_sharded_checkpoint_loads_only_the_files_its_index_lists(families, tmp_path):
     src = families["qwen3_moe"]
@@ -198,7 +224,7 @@ def test_a_sharded_checkpoint_loads_only_the_files_its_index_lists(families, tmp
     up = load_file(path / index[name])[name]
     with LLM(str(path), num_kvcache_blocks=4) as llm:
         experts = llm.model_runner.model.model.layers[2].mlp.experts
-        assert torch.equal(experts.w13_weight[5, up.shape[0]:], up)
+        assert torch.equal(experts.w13_weight[5, up.shape[0] :], up)
 
 
 def test_an_index_listing_a_missing_file_is_a_value_error_naming_it(families, tmp_path):
@@ -225,6 +251,7 @@ def test_missing_and_extra_expert_tensors_are_all_named(families, tmp_path):
 
     def edit(tensors):
         tensors[extra] = tensors.pop(gone)
+
     path = edited_shard(families["qwen3_moe"], tmp_path / "m", gone, edit)
     with pytest.raises(ValueError) as error:
         LLM(str(path), num_kvcache_blocks=4)
@@ -237,12 +264,14 @@ def test_a_misshaped_expert_tensor_is_named(families, tmp_path):
 
     def edit(tensors):
         tensors[name] = tensors[name][:, :-1].clone()
+
     path = edited_shard(families["qwen3_moe"], tmp_path / "m", name, edit)
     with pytest.raises(ValueError, match=name.replace(".", r"\.") + r"': shape \(32, 63\)"):
         LLM(str(path), num_kvcache_blocks=4)
 
 
 # -- what is refused, by name, before any weight is read ------------------------------------
+
 
 def config_only(src: Path, dst: Path, **changes) -> Path:
     """config.json (edited) and the tokenizer, no weights: an error raised here comes
@@ -253,13 +282,20 @@ def config_only(src: Path, dst: Path, **changes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name,changes,match", [
-    ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
-    ("qwen2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    ("mistral", dict(sliding_window=64), r"sliding_window \(64\) is smaller than max_model_len"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=64), r"sliding_window \(64\)"),
-    ("llama", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
-])
+@pytest.mark.parametrize(
+    "name,changes,match",
+    [
+        ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
+        ("qwen2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (
+            "mistral",
+            dict(sliding_window=64),
+            r"sliding_window \(64\) is smaller than max_model_len",
+        ),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=64), r"sliding_window \(64\)"),
+        ("llama", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+    ],
+)
 def test_an_unsupported_option_is_a_value_error_naming_it(families, tmp_path, name, changes, match):
     path = config_only(families[name], tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=match):
@@ -282,25 +318,37 @@ def test_tensor_parallel_must_divide_each_experts_intermediate_size(families, tm
 
 # -- RoPE ---------------------------------------------------------------------------------
 
+
 def llama3_config(**overrides):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**dict(hidden_size=64, num_attention_heads=4, head_dim=16,
-                              num_hidden_layers=3, vocab_size=64, max_position_embeddings=512,
-                              rope_parameters=dict(LLAMA3_ROPE, rope_theta=3000.0)) | overrides)
+    return LlamaConfig(
+        **dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            head_dim=16,
+            num_hidden_layers=3,
+            vocab_size=64,
+            max_position_embeddings=512,
+            rope_parameters=dict(LLAMA3_ROPE, rope_theta=3000.0),
+        )
+        | overrides
+    )
 
 
 def test_llama3_rope_equals_transformers_past_the_original_context():
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from nanovllm.models.hf_config import rope_parameters
     from nanovllm.layers.rotary_embedding import get_rope
+    from nanovllm.models.hf_config import rope_parameters
 
     config = llama3_config()
     ours = get_rope(16, 512, rope_parameters(config)).cos_sin_cache
     positions = torch.arange(512)[None]  # 16 times original_max_position_embeddings
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
-    assert torch.equal(ours[:, 0], cos[0])  # [512, 2, 16]: cos, then sin with its first half negated
+    assert torch.equal(
+        ours[:, 0], cos[0]
+    )  # [512, 2, 16]: cos, then sin with its first half negated
     assert torch.equal(ours[:, 1], torch.cat([-sin[0, :, :8], sin[0, :, 8:]], dim=-1))
 
 
@@ -318,8 +366,9 @@ def test_layers_share_one_cos_sin_cache_per_set_of_rope_parameters():
     model = LlamaForCausalLM(llama3_config())
     caches = {layer.self_attn.rotary_emb.cos_sin_cache.data_ptr() for layer in model.model.layers}
     assert len(caches) == 1
-    other = LlamaForCausalLM(llama3_config(rope_parameters={"rope_type": "default",
-                                                            "rope_theta": 3000.0}))
+    other = LlamaForCausalLM(
+        llama3_config(rope_parameters={"rope_type": "default", "rope_theta": 3000.0})
+    )
     assert other.model.layers[0].self_attn.rotary_emb.cos_sin_cache.data_ptr() not in caches
 
 
@@ -329,6 +378,7 @@ def test_both_config_styles_give_the_same_llama3_rope_parameters():
     from nanovllm.models.hf_config import rope_parameters
 
     v4 = LlamaConfig(rope_theta=3000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=512)
-    v5 = LlamaConfig(rope_parameters=dict(LLAMA3_ROPE, rope_theta=3000.0),
-                     max_position_embeddings=512)
+    v5 = LlamaConfig(
+        rope_parameters=dict(LLAMA3_ROPE, rope_theta=3000.0), max_position_embeddings=512
+    )
     assert rope_parameters(v4) == rope_parameters(v5) == dict(LLAMA3_ROPE, rope_theta=3000.0)

@@ -1,6 +1,7 @@
 """Beyond one process group per host: ranks launched by torchrun (two "nodes" on 127.0.0.1,
 gloo) and data-parallel replicas. Every rank and every replica layout gives the tokens one
 process gives, in prompt order; the greedy ones are also transformers' tokens."""
+
 import json
 import os
 import shutil
@@ -12,11 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_qwen3_parity import expected, make_prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.data_parallel import split_by_tokens
-
-from test_qwen3_parity import expected, make_prompts
 
 SCRIPT = Path(__file__).with_name("torchrun_generate.py")
 HOST = "127.0.0.1"
@@ -25,8 +25,10 @@ ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)
 
 def sampling(num_prompts: int) -> list[SamplingParams]:
     """Seeded sampling and greedy, alternating: what torchrun_generate.py asks for."""
-    return [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=8 + i,
-                           ignore_eos=True) for i in range(num_prompts)]
+    return [
+        SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=8 + i, ignore_eos=True)
+        for i in range(num_prompts)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,10 @@ def prompts() -> list[list[int]]:
 def one_process(model, prompts) -> list[list[int]]:
     """The reference: one process, one rank; its greedy rows are transformers'."""
     with LLM(model, **ENGINE) as llm:
-        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling(len(prompts)),
-                                                                use_tqdm=False)]
+        tokens = [
+            o.outputs[0].token_ids
+            for o in llm.generate(prompts, sampling(len(prompts)), use_tqdm=False)
+        ]
     for i in range(1, len(prompts), 2):
         assert tokens[i] == expected(model, [prompts[i]], 8 + i)[0]
     return tokens
@@ -56,19 +60,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(tmp_path: Path, model: str, prompts, nnodes: int, nproc: int, tp: int, dp: int,
-             *extra: str, ranks: tuple[int, ...] | None = None,
-             timeout_s: float = 150) -> dict[int, object]:
+def torchrun(
+    tmp_path: Path,
+    model: str,
+    prompts,
+    nnodes: int,
+    nproc: int,
+    tp: int,
+    dp: int,
+    *extra: str,
+    ranks: tuple[int, ...] | None = None,
+    timeout_s: float = 150,
+) -> dict[int, object]:
     """Launch `nnodes` torchrun agents on this host, wait (bounded) for the files of `ranks`
     (all by default), and leave no process behind; returns each rank's result."""
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     port, world = free_port(), nnodes * nproc
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-         f"--nproc-per-node={nproc}", f"--node-rank={node}", f"--master-addr={HOST}",
-         f"--master-port={port}", str(SCRIPT), model, str(tmp_path), str(tp), str(dp), *extra],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{node}.log", "w"),
-        start_new_session=True) for node in range(nnodes)]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nnodes}",
+                f"--nproc-per-node={nproc}",
+                f"--node-rank={node}",
+                f"--master-addr={HOST}",
+                f"--master-port={port}",
+                str(SCRIPT),
+                model,
+                str(tmp_path),
+                str(tp),
+                str(dp),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"node{node}.log", "w"),
+            start_new_session=True,
+        )
+        for node in range(nnodes)
+    ]
     files = [tmp_path / f"rank{r}.json" for r in (range(world) if ranks is None else ranks)]
     deadline = time.monotonic() + timeout_s
     try:
@@ -86,8 +117,11 @@ def torchrun(tmp_path: Path, model: str, prompts, nnodes: int, nproc: int, tp: i
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
-    return {r: json.loads(f.read_text()) for r in range(world)
-            if (f := tmp_path / f"rank{r}.json").exists()}
+    return {
+        r: json.loads(f.read_text())
+        for r in range(world)
+        if (f := tmp_path / f"rank{r}.json").exists()
+    }
 
 
 def test_prompts_are_split_longest_first_to_the_least_loaded_replica():
@@ -109,27 +143,31 @@ def test_torchrun_two_nodes_tp2_equals_one_process(tmp_path, model, prompts, one
 
 def test_torchrun_dp2_x_tp2_equals_one_process(tmp_path, model, prompts, one_process):
     results = torchrun(tmp_path, model, prompts, nnodes=1, nproc=4, tp=2, dp=2)
-    assert results == {r: one_process for r in range(4)}
+    assert results == dict.fromkeys(range(4), one_process)
 
 
 def test_torchrun_rank_that_dies_is_a_runtime_error_within_seconds(tmp_path, model, prompts):
-    results = torchrun(tmp_path, model, prompts, 2, 1, 2, 1, "--die-rank", "1", ranks=(0,),
-                       timeout_s=90)
+    results = torchrun(
+        tmp_path, model, prompts, 2, 1, 2, 1, "--die-rank", "1", ranks=(0,), timeout_s=90
+    )
     assert results[0]["error"] == "RuntimeError"
     assert results[0]["seconds"] < 10
     assert 1 not in results
 
 
-def test_world_that_is_not_tp_times_dp_is_refused_before_weights_load(tmp_path, model,
-                                                                       monkeypatch):
-    weightless = shutil.copytree(model, tmp_path / "weightless",
-                                 ignore=shutil.ignore_patterns("*.safetensors*"))
+def test_world_that_is_not_tp_times_dp_is_refused_before_weights_load(tmp_path, model, monkeypatch):
+    weightless = shutil.copytree(
+        model, tmp_path / "weightless", ignore=shutil.ignore_patterns("*.safetensors*")
+    )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", HOST)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    with pytest.raises(ValueError, match=r"3 ranks but tensor_parallel_size=2 x "
-                                         r"data_parallel_size=1 = 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"3 ranks but tensor_parallel_size=2 x "
+        r"data_parallel_size=1 = 2",
+    ):
         LLM(str(weightless), tensor_parallel_size=2, **ENGINE)
 
 

@@ -1,14 +1,14 @@
 """SamplingParams.n: n completions of one prompt whose KV is computed once. The control
 plane by plain reasoning (the fake runner, block ref counts), the engine against
 transformers and against n separate seeded requests."""
+
 import torch
-
-from nanovllm import LLM, SamplingParams
-from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
-
 from conftest import hf_greedy
 from fake_runner import FakeRunner, run_until_done, step
 from invariants import check_scheduler
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
 
 BS = 4
 
@@ -16,16 +16,21 @@ BS = 4
 def add_request(scheduler: Scheduler, prompt: list[int], params: SamplingParams) -> list[Sequence]:
     """What LLMEngine.add_request queues: the first sequence, then n - 1 that wait for it."""
     first = Sequence(prompt, params, BS)
-    seqs = [first] + [Sequence(prompt, params, BS, parent=first, index=i)
-                      for i in range(1, params.n)]
+    seqs = [first] + [
+        Sequence(prompt, params, BS, parent=first, index=i) for i in range(1, params.n)
+    ]
     for seq in seqs:
         scheduler.add(seq)
     return seqs
 
 
 def make_scheduler(prefix_caching: bool = True) -> Scheduler:
-    return Scheduler(BlockManager(32, BS, enable_prefix_caching=prefix_caching), max_num_seqs=8,
-                     max_num_batched_tokens=64, max_model_len=1024)
+    return Scheduler(
+        BlockManager(32, BS, enable_prefix_caching=prefix_caching),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=1024,
+    )
 
 
 def test_the_first_sequence_prefills_alone_and_the_others_compute_only_the_uncached_tail():
@@ -74,6 +79,7 @@ def test_aborting_a_request_drops_all_its_sequences_and_frees_their_blocks():
 
 # -- through the engine ----------------------------------------------------------------
 
+
 def prompt_of(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -81,8 +87,11 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 def test_greedy_n_gives_n_equal_completions_that_match_transformers(checkpoints):
     path, prompt = str(checkpoints["gqa"]), prompt_of(21)
     with LLM(path, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
-        out = llm.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=12,
-                                                    ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate(
+            [prompt],
+            SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert [c.token_ids for c in out.outputs] == [hf_greedy(path, tuple(prompt), 12)] * 4
 
@@ -96,9 +105,17 @@ def test_seeded_n_completions_differ_and_are_the_requests_with_seeds_seed_plus_i
         while not llm.is_finished():
             num_prefill += llm.step().num_prefill_tokens
         together = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
-        apart = [o["token_ids"] for o in llm.generate(
-            [prompt] * 8, [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10,
-                                          ignore_eos=True) for i in range(8)], use_tqdm=False)]
+        apart = [
+            o["token_ids"]
+            for o in llm.generate(
+                [prompt] * 8,
+                [
+                    SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10, ignore_eos=True)
+                    for i in range(8)
+                ],
+                use_tqdm=False,
+            )
+        ]
     # 40 tokens: 2 full blocks of 16 shared, each of the other 7 computes the last 8
     assert num_prefill == 40 + 7 * 8
     assert together == apart and len({tuple(t) for t in together}) == 8

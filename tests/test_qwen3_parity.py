@@ -1,16 +1,16 @@
 """The whole engine against Hugging Face `transformers` on the same checkpoints:
 greedy tokens identical, prefill logits within 1e-5 (float32, CPU; they agree to ~1e-6)."""
+
 import json
 import shutil
 
 import pytest
 import torch
+from conftest import hf_greedy, hf_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import Sequence
 from nanovllm.runner.step_inputs import prepare_inputs
-
-from conftest import hf_greedy, hf_model
 
 BLOCK = 16
 NEW_TOKENS = 32
@@ -62,7 +62,9 @@ def test_prefill_logits_match_transformers(checkpoints, shape):
         with torch.inference_mode():
             ours = runner.forward(prepare_inputs(seqs, BLOCK))
     with torch.inference_mode():
-        theirs = torch.stack([hf_model(str(path))(torch.tensor([p])).logits[0, -1] for p in prompts])
+        theirs = torch.stack(
+            [hf_model(str(path))(torch.tensor([p])).logits[0, -1] for p in prompts]
+        )
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() < 1e-5
 
@@ -77,8 +79,13 @@ def test_one_batch_equals_one_request_at_a_time(checkpoints):
 
 def test_chunked_prefill_equals_whole_prefill(checkpoints):
     prompts = make_prompts([50, 7, 33, 70], seed=3)
-    with LLM(str(checkpoints["gqa"]), kvcache_block_size=BLOCK, num_kvcache_blocks=64,
-             max_num_batched_tokens=24, enable_prefix_caching=False) as llm:
+    with LLM(
+        str(checkpoints["gqa"]),
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    ) as llm:
         assert generate(llm, prompts) == expected(checkpoints["gqa"], prompts)
 
 
@@ -138,8 +145,9 @@ def test_transformers4_style_config_loads_and_matches(checkpoints):
         assert generate(llm, prompts) == expected(path, prompts)
 
 
-def test_dtype_auto_takes_a_transformers4_checkpoints_torch_dtype(checkpoints, tmp_path,
-                                                                  monkeypatch):
+def test_dtype_auto_takes_a_transformers4_checkpoints_torch_dtype(
+    checkpoints, tmp_path, monkeypatch
+):
     import nanovllm.runner.device as device
 
     # A CPU that computes bfloat16 natively keeps the checkpoint's dtype (issue 17's rule).

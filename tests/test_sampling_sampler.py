@@ -7,23 +7,41 @@ Distribution checks use Pearson's chi-square with a fixed threshold: the 0.999 q
 of the chi-square distribution (p = 0.001) for the number of kept tokens minus one. The
 draws come from fixed seeds, so each check is deterministic.
 """
+
 import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from nanovllm.core import Sequence
-from nanovllm.sampling.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
-                                     apply_top_k_top_p)
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata, seed_key
+from nanovllm.sampling.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 from nanovllm.sampling_params import SamplingParams
 
-CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
-            8: 26.124, 9: 27.877}
+CHI2_999 = {
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+}
 N_DRAWS = 12_000
 # Probabilities with no near-ties at any filter boundary used below, in a shuffled
 # token order so that "most likely" is not "lowest id".
@@ -50,6 +68,7 @@ def sample(logits: torch.Tensor, seqs) -> list[int]:
 
 
 # -- plain-Python reference ----------------------------------------------------------
+
 
 def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """The renormalized filtered softmax, in the order temperature, top-k, top-p, min-p."""
@@ -104,16 +123,20 @@ FILTER_SETTINGS = [
 # One batch mixes settings, so each row is also checked beside rows with other filters:
 # all settings (top-p present: the full-sort path), or those without top-p (top-k alone:
 # the partial-sort path).
-BATCH_MIXES = {"all filters": FILTER_SETTINGS,
-               "no top-p": [s for s in FILTER_SETTINGS if "top_p" not in s]}
+BATCH_MIXES = {
+    "all filters": FILTER_SETTINGS,
+    "no top-p": [s for s in FILTER_SETTINGS if "top_p" not in s],
+}
 
 
 def draw_mixed_batch(settings, seeded: bool) -> list[list[int]]:
     """N_DRAWS draws per setting, rows interleaved; returns the tokens of each setting."""
-    params = [SamplingParams(seed=i if seeded else None, **settings[i % len(settings)])
-              for i in range(N_DRAWS * len(settings))]
+    params = [
+        SamplingParams(seed=i if seeded else None, **settings[i % len(settings)])
+        for i in range(N_DRAWS * len(settings))
+    ]
     tokens = sample(torch.tensor([LOGITS] * len(params)), [make_seq(p) for p in params])
-    return [tokens[i::len(settings)] for i in range(len(settings))]
+    return [tokens[i :: len(settings)] for i in range(len(settings))]
 
 
 @pytest.mark.parametrize("mix", BATCH_MIXES)
@@ -153,23 +176,36 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_probability():
     logits = torch.tensor([[math.log(p) for p in (0.4, 0.25, 0.2, 0.09, 0.06)]])
     # threshold 0.25 * 0.4 = 0.1: 0.09 and 0.06 go
     assert apply_min_p(logits.clone(), torch.tensor([0.25])).isfinite().tolist() == [
-        [True, True, True, False, False]]
+        [True, True, True, False, False]
+    ]
     assert apply_min_p(logits.clone(), torch.tensor([0.0])).isfinite().all()
 
 
 def test_filters_match_transformers_warpers():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(12, 300, generator=g) * 3
-    settings = [dict(temperature=t, top_k=k, top_p=p, min_p=m)
-                for t, k, p, m in [(1.0, 5, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 0, 1.0, 0.05),
-                                   (0.8, 40, 0.95, 0.02), (1.0, 1, 0.5, 0.3), (2.0, 0, 0.3, 0.0),
-                                   (0.5, 100, 1.0, 0.1), (1.0, 0, 1.0, 0.0), (1.0, 299, 0.99, 0.0),
-                                   (0.9, 3, 0.2, 0.0), (1.1, 0, 0.7, 0.2), (1.0, 10, 1.0, 0.5)]]
+    settings = [
+        dict(temperature=t, top_k=k, top_p=p, min_p=m)
+        for t, k, p, m in [
+            (1.0, 5, 1.0, 0.0),
+            (0.7, 0, 0.9, 0.0),
+            (1.3, 0, 1.0, 0.05),
+            (0.8, 40, 0.95, 0.02),
+            (1.0, 1, 0.5, 0.3),
+            (2.0, 0, 0.3, 0.0),
+            (0.5, 100, 1.0, 0.1),
+            (1.0, 0, 1.0, 0.0),
+            (1.0, 299, 0.99, 0.0),
+            (0.9, 3, 0.2, 0.0),
+            (1.1, 0, 0.7, 0.2),
+            (1.0, 10, 1.0, 0.5),
+        ]
+    ]
     m = metadata([make_seq(SamplingParams(**s)) for s in settings], logits.shape[1])
     ours = logits.clone() / m.temperatures[:, None]
     ours = apply_min_p(apply_top_k_top_p(ours, m.top_k, m.max_top_k, m.top_p), m.min_p)
     for row, s in enumerate(settings):
-        theirs = TemperatureLogitsWarper(s["temperature"])(None, logits[row:row + 1].clone())
+        theirs = TemperatureLogitsWarper(s["temperature"])(None, logits[row : row + 1].clone())
         if s["top_k"]:
             theirs = TopKLogitsWarper(s["top_k"])(None, theirs)
         if s["top_p"] < 1:
@@ -180,6 +216,7 @@ def test_filters_match_transformers_warpers():
 
 
 # -- greedy rows ---------------------------------------------------------------------
+
 
 def test_greedy_rows_are_the_exact_argmax_beside_sampled_rows():
     g = torch.Generator().manual_seed(1)
@@ -193,7 +230,9 @@ def test_greedy_rows_are_the_exact_argmax_beside_sampled_rows():
 def test_top_k_1_is_the_argmax_seeded_or_not():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(16, 1000, generator=g)
-    params = [SamplingParams(temperature=1.5, top_k=1, seed=i if i % 2 else None) for i in range(16)]
+    params = [
+        SamplingParams(temperature=1.5, top_k=1, seed=i if i % 2 else None) for i in range(16)
+    ]
     assert sample(logits, [make_seq(p) for p in params]) == logits.argmax(dim=-1).tolist()
 
 
@@ -202,8 +241,9 @@ def test_work_no_row_asks_for_is_skipped_on_the_host():
     greedy_with_filters = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2, seed=1)
     m = metadata([make_seq(greedy_with_filters)] * 3, vocab)
     assert m.all_greedy and (m.top_k, m.top_p, m.min_p, m.seed_keys) == (None, None, None, None)
-    m = metadata([make_seq(SamplingParams(top_k=vocab + 5)), make_seq(SamplingParams(top_k=-1))],
-                 vocab)
+    m = metadata(
+        [make_seq(SamplingParams(top_k=vocab + 5)), make_seq(SamplingParams(top_k=-1))], vocab
+    )
     assert not m.all_greedy and m.greedy is None and m.top_k is None and m.penalties is None
     m = metadata([make_seq(SamplingParams(top_k=5)), make_seq(SamplingParams())], vocab)
     assert m.top_k.tolist() == [5, vocab] and m.max_top_k == 5 and m.top_p is None
@@ -211,18 +251,29 @@ def test_work_no_row_asks_for_is_skipped_on_the_host():
 
 # -- seeds ---------------------------------------------------------------------------
 
+
 def test_a_seeded_row_draws_the_same_token_in_any_batch_and_position():
     g = torch.Generator().manual_seed(3)
     vocab, n = 1000, 12
     logits = torch.randn(n, vocab, generator=g)
-    seeded = [make_seq(SamplingParams(seed=100 + i, temperature=1.0 + i / 10, top_p=0.95),
-                       completion=[5] * i) for i in range(n)]
-    alone = [sample(logits[i:i + 1], [seeded[i]])[0] for i in range(n)]
-    others = [make_seq(p, completion=[9, 9]) for p in (
-        SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=3, min_p=0.1),
-        SamplingParams(repetition_penalty=1.5, seed=5))]
+    seeded = [
+        make_seq(
+            SamplingParams(seed=100 + i, temperature=1.0 + i / 10, top_p=0.95), completion=[5] * i
+        )
+        for i in range(n)
+    ]
+    alone = [sample(logits[i : i + 1], [seeded[i]])[0] for i in range(n)]
+    others = [
+        make_seq(p, completion=[9, 9])
+        for p in (
+            SamplingParams(temperature=0),
+            SamplingParams(),
+            SamplingParams(top_k=3, min_p=0.1),
+            SamplingParams(repetition_penalty=1.5, seed=5),
+        )
+    ]
     other_logits = torch.randn(len(others), vocab, generator=g)
-    for perm_seed in range(3):
+    for _ in range(3):  # three orders of the batch
         rows = torch.randperm(n + len(others), generator=g).tolist()
         seqs = [(seeded + others)[r] for r in rows]
         batch_logits = torch.cat([logits, other_logits])[rows]
@@ -233,11 +284,15 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_and_position():
 
 def test_a_seeded_row_changes_token_from_step_to_step():
     logits = torch.zeros(1, 50)  # uniform: every step is a fresh draw
-    tokens = [sample(logits, [make_seq(SamplingParams(seed=3), completion=[1] * step)])[0]
-              for step in range(20)]
+    tokens = [
+        sample(logits, [make_seq(SamplingParams(seed=3), completion=[1] * step)])[0]
+        for step in range(20)
+    ]
     assert len(set(tokens)) > 5
-    again = [sample(logits, [make_seq(SamplingParams(seed=3), completion=[1] * step)])[0]
-             for step in range(20)]
+    again = [
+        sample(logits, [make_seq(SamplingParams(seed=3), completion=[1] * step)])[0]
+        for step in range(20)
+    ]
     assert tokens == again
 
 
@@ -247,13 +302,23 @@ def test_seeded_and_greedy_rows_draw_the_same_tokens_on_cuda_as_on_the_cpu():
     vocab, n = 151936, 32
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(n, vocab, generator=g) * 3
-    sampled = dict(temperature=0.9, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
-                   frequency_penalty=0.5)
-    params = [SamplingParams(temperature=0, presence_penalty=1.0) if i % 4 == 0 else
-              SamplingParams(seed=i, top_k=50 if i % 2 else 0, **sampled) for i in range(n)]
-    seqs = [make_seq(p, prompt=torch.randint(0, vocab, (40,), generator=g).tolist(),
-                     completion=torch.randint(0, vocab, (9,), generator=g).tolist())
-            for p in params]
+    sampled = dict(
+        temperature=0.9, top_p=0.9, min_p=0.02, repetition_penalty=1.2, frequency_penalty=0.5
+    )
+    params = [
+        SamplingParams(temperature=0, presence_penalty=1.0)
+        if i % 4 == 0
+        else SamplingParams(seed=i, top_k=50 if i % 2 else 0, **sampled)
+        for i in range(n)
+    ]
+    seqs = [
+        make_seq(
+            p,
+            prompt=torch.randint(0, vocab, (40,), generator=g).tolist(),
+            completion=torch.randint(0, vocab, (9,), generator=g).tolist(),
+        )
+        for p in params
+    ]
     on_cpu = Sampler()(logits.clone(), metadata(seqs, vocab))
     counts = TokenCounts(vocab, torch.device("cuda"))
     m = build_sampling_metadata(seqs, vocab, counts, torch.device("cuda"))
@@ -264,37 +329,54 @@ def test_seeded_and_greedy_rows_draw_the_same_tokens_on_cuda_as_on_the_cpu():
 
 # -- penalties -----------------------------------------------------------------------
 
-def reference_presence_frequency(logits: list[float], completion: list[int], presence: float,
-                                 frequency: float) -> list[float]:
-    return [x - frequency * completion.count(t) - presence * (t in completion)
-            for t, x in enumerate(logits)]
+
+def reference_presence_frequency(
+    logits: list[float], completion: list[int], presence: float, frequency: float
+) -> list[float]:
+    return [
+        x - frequency * completion.count(t) - presence * (t in completion)
+        for t, x in enumerate(logits)
+    ]
 
 
 def test_penalties_match_transformers_and_a_plain_reference_as_tokens_arrive():
     vocab = 40
     g = torch.Generator().manual_seed(4)
-    params = [SamplingParams(temperature=0, repetition_penalty=1.7),
-              SamplingParams(presence_penalty=0.8, frequency_penalty=0.3),
-              SamplingParams(temperature=0, repetition_penalty=0.6, presence_penalty=-0.5,
-                             frequency_penalty=1.1),
-              SamplingParams()]  # no penalty: not tracked
-    seqs = [make_seq(p, prompt=torch.randint(0, vocab, (n,), generator=g).tolist())
-            for p, n in zip(params, (5, 9, 1, 4))]
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.7),
+        SamplingParams(presence_penalty=0.8, frequency_penalty=0.3),
+        SamplingParams(
+            temperature=0, repetition_penalty=0.6, presence_penalty=-0.5, frequency_penalty=1.1
+        ),
+        SamplingParams(),
+    ]  # no penalty: not tracked
+    seqs = [
+        make_seq(p, prompt=torch.randint(0, vocab, (n,), generator=g).tolist())
+        for p, n in zip(params, (5, 9, 1, 4))
+    ]
     counts = TokenCounts(vocab, torch.device("cpu"))
-    for step in range(6):
+    for _ in range(6):
         logits = torch.randn(len(seqs), vocab, generator=g) * 2
         logits[:, :3] = 0.0  # a logit of exactly 0 is unchanged by either rule
         m = metadata(seqs, vocab, counts=counts)
         assert m.penalties.rows.tolist() == [0, 1, 2]
         pen = m.penalties
-        ours = apply_penalties(logits[pen.rows], pen.output_counts, pen.in_prompt,
-                               pen.repetition, pen.presence, pen.frequency)
+        ours = apply_penalties(
+            logits[pen.rows],
+            pen.output_counts,
+            pen.in_prompt,
+            pen.repetition,
+            pen.presence,
+            pen.frequency,
+        )
         for row, seq in enumerate(seqs[:3]):
             p = seq.sampling_params
             theirs = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
-                torch.tensor([seq.token_ids]), logits[row:row + 1].clone())[0].tolist()
-            theirs = reference_presence_frequency(theirs, seq.completion_token_ids,
-                                                  p.presence_penalty, p.frequency_penalty)
+                torch.tensor([seq.token_ids]), logits[row : row + 1].clone()
+            )[0].tolist()
+            theirs = reference_presence_frequency(
+                theirs, seq.completion_token_ids, p.presence_penalty, p.frequency_penalty
+            )
             assert ours[row].tolist() == pytest.approx(theirs, rel=1e-6, abs=1e-6)
         for seq in seqs:  # repeats make the frequency counts above 1
             seq.append_token(int(torch.randint(0, 6, (1,), generator=g)))
@@ -319,6 +401,7 @@ def test_token_counts_free_finished_sequences_and_reuse_their_slots_clean():
 
 # -- min_tokens ----------------------------------------------------------------------
 
+
 def test_min_tokens_keeps_eos_and_stop_ids_from_being_drawn():
     eos, stop_id, vocab = 3, 5, 10
     logits = torch.zeros(1, vocab)
@@ -326,7 +409,9 @@ def test_min_tokens_keeps_eos_and_stop_ids_from_being_drawn():
     greedy = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[stop_id])
     assert sample(logits, [make_seq(greedy, completion=[1], eos=[eos])]) == [7]
     assert sample(logits, [make_seq(greedy, completion=[1, 1], eos=[eos])]) == [eos]
-    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[stop_id])
+    ignoring = SamplingParams(
+        temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[stop_id]
+    )
     assert sample(logits, [make_seq(ignoring, eos=[eos])]) == [eos]
     torch.manual_seed(0)
     sampled = SamplingParams(temperature=5.0, min_tokens=1, stop_token_ids=[stop_id])

@@ -1,18 +1,23 @@
 """Stop conditions in the control plane, checked by plain reasoning with the fake runner
 (which emits 1000 + len(seq), or EOS once a sequence reaches a set length)."""
-from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
-from nanovllm.sampling_params import SamplingParams
 
 from fake_runner import FakeRunner, run_until_done, step
+
+from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.sampling_params import SamplingParams
 
 BS = 4
 EOS = 0
 
 
 def make_scheduler(max_model_len=1024, stop_strings=None) -> Scheduler:
-    return Scheduler(BlockManager(32, BS, enable_prefix_caching=True), max_num_seqs=8,
-                     max_num_batched_tokens=64, max_model_len=max_model_len,
-                     stop_strings=stop_strings)
+    return Scheduler(
+        BlockManager(32, BS, enable_prefix_caching=True),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=max_model_len,
+        stop_strings=stop_strings,
+    )
 
 
 def add(scheduler: Scheduler, prompt=(1, 2, 3), **params) -> Sequence:
@@ -39,10 +44,13 @@ def test_min_tokens_delays_eos_and_stop_ids():
     sch = make_scheduler()
     early = add(sch, max_tokens=10)
     delayed = add(sch, prompt=(4, 5, 6), max_tokens=10, min_tokens=3)
-    delayed_stop_id = add(sch, prompt=(7, 8, 9), max_tokens=10, min_tokens=2,
-                          ignore_eos=True, stop_token_ids=[EOS])
+    delayed_stop_id = add(
+        sch, prompt=(7, 8, 9), max_tokens=10, min_tokens=2, ignore_eos=True, stop_token_ids=[EOS]
+    )
     # Every sequence's every token is EOS.
-    run_until_done(sch, FakeRunner(eos_after={s.seq_id: 4 for s in (early, delayed, delayed_stop_id)}))
+    run_until_done(
+        sch, FakeRunner(eos_after={s.seq_id: 4 for s in (early, delayed, delayed_stop_id)})
+    )
     assert early.completion_token_ids == [EOS]
     assert delayed.completion_token_ids == [EOS] * 4
     assert delayed_stop_id.completion_token_ids == [EOS] * 3
@@ -55,7 +63,10 @@ def test_length_reasons_and_a_stop_token_outranks_the_length_cap():
     by_model_len = add(sch, prompt=(1, 2, 3, 4, 5), max_tokens=50)
     both = add(sch, prompt=(9, 9, 9), max_tokens=3, stop_token_ids=[1005])  # 3rd token is 1005
     run_until_done(sch, FakeRunner())
-    assert by_max_tokens.finish_reason is FinishReason.LENGTH and by_max_tokens.num_completion_tokens == 2
+    assert (
+        by_max_tokens.finish_reason is FinishReason.LENGTH
+        and by_max_tokens.num_completion_tokens == 2
+    )
     assert by_model_len.finish_reason is FinishReason.LENGTH and len(by_model_len) == 8
     assert both.finish_reason is FinishReason.STOP and both.completion_token_ids[-1] == 1005
 
@@ -83,7 +94,9 @@ def test_a_stop_string_ends_a_running_sequence_that_step_and_frees_its_blocks():
         assert step(sch, runner) == []
     assert step(sch, runner) == [a]
     assert a.finish_reason is FinishReason.STOP and a.stop_text == "1003 1004 1005"
-    assert not a.block_table and list(sch.running) == [b] and sch.stop_strings.discarded == [a.seq_id]
+    assert (
+        not a.block_table and list(sch.running) == [b] and sch.stop_strings.discarded == [a.seq_id]
+    )
     run_until_done(sch, runner)
     assert b.num_completion_tokens == 20 and a.completion_token_ids[-1] == 1006
 

@@ -1,21 +1,32 @@
 """Scheduler: prefill/decode batches, chunked prefill, preemption and whole
 lifecycles, driven by a fake runner and checked by plain Python reasoning."""
+
 import pytest
+from fake_runner import FakeRunner, run_until_done, step
 
 from nanovllm.core import BlockManager, Scheduler, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
-
-from fake_runner import FakeRunner, run_until_done, step
 
 BS = 4
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
-                   max_model_len=1024, prefix_caching=True, policy="mixed") -> Scheduler:
+def make_scheduler(
+    num_blocks=64,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    max_model_len=1024,
+    prefix_caching=True,
+    policy="mixed",
+) -> Scheduler:
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
-    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len, policy=policy)
+    return Scheduler(
+        bm,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        policy=policy,
+    )
 
 
 def add(scheduler: Scheduler, tokens: list[int], max_tokens=4, ignore_eos=False) -> Sequence:
@@ -47,9 +58,11 @@ def test_decoding_sequences_get_their_token_while_a_long_prompt_is_chunked_besid
     for _ in range(3):
         step(sch, runner)
     # each step: a and b decode first (2 tokens), the chunk takes the other 6 of the 8
-    assert runner.batches[1:] == [([a.seq_id, b.seq_id, long.seq_id], [1, 1, 6], 2),
-                                  ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 6], 2),
-                                  ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 2], 2)]
+    assert runner.batches[1:] == [
+        ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 6], 2),
+        ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 6], 2),
+        ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 2], 2),
+    ]
     assert long.num_completion_tokens == 1 and a.num_completion_tokens == 4
     step(sch, runner)
     assert runner.batches[-1] == ([a.seq_id, b.seq_id, long.seq_id], [1, 1, 1], 3)
@@ -63,8 +76,11 @@ def test_prefill_first_stalls_decoding_while_a_prompt_is_chunked():
     for _ in range(3):
         step(sch, runner)
     # nano-vLLM's order: the prompt's chunks run alone, then everyone decodes
-    assert runner.batches[1:] == [([long.seq_id], [8], 0), ([long.seq_id], [6], 0),
-                                  ([a.seq_id, long.seq_id], [1, 1], 2)]
+    assert runner.batches[1:] == [
+        ([long.seq_id], [8], 0),
+        ([long.seq_id], [6], 0),
+        ([a.seq_id, long.seq_id], [1, 1], 2),
+    ]
 
 
 def test_decode_tokens_take_the_budget_first_and_a_prompt_waits_for_what_is_left():
@@ -164,7 +180,10 @@ def test_preemption_picks_the_newest_running_sequence_and_it_completes_later():
 def test_a_preempted_sequence_runs_again_before_requests_that_were_waiting_longer():
     # As above, but max_num_seqs=2 keeps c waiting from the start. When b is preempted it
     # goes back to the front of the queue, ahead of c, although c has waited longer.
-    sch, runner = make_scheduler(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=16), FakeRunner()
+    sch, runner = (
+        make_scheduler(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=16),
+        FakeRunner(),
+    )
     a = add(sch, [1, 2, 3, 4], max_tokens=7, ignore_eos=True)
     b = add(sch, [5, 6, 7, 8], max_tokens=7, ignore_eos=True)
     c = add(sch, [9, 10, 11], max_tokens=2, ignore_eos=True)  # would fit beside a: one block
@@ -173,8 +192,10 @@ def test_a_preempted_sequence_runs_again_before_requests_that_were_waiting_longe
     assert sch.num_preemptions == 1 and b.status == SequenceStatus.WAITING
     assert [s.seq_id for s in sch.waiting] == [b.seq_id, c.seq_id]
     run_until_done(sch, runner)
-    runs_of = {s.seq_id: [i for i, batch in enumerate(runner.batches) if s.seq_id in batch[0]]
-               for s in (b, c)}
+    runs_of = {
+        s.seq_id: [i for i, batch in enumerate(runner.batches) if s.seq_id in batch[0]]
+        for s in (b, c)
+    }
     resumed = next(i for i in runs_of[b.seq_id] if i >= 6)
     # c did not slip into the block a left free: it starts only with b, after it.
     assert runs_of[c.seq_id][0] == resumed
@@ -218,7 +239,8 @@ def test_a_request_that_can_never_fit_is_refused_before_it_is_queued():
         sch.check_fits(Sequence(list(range(1, 10)), SamplingParams(max_tokens=1), BS))
     with pytest.raises(ValueError, match="max_model_len"):
         make_scheduler(max_model_len=8).check_fits(
-            Sequence(list(range(1, 10)), SamplingParams(), BS))
+            Sequence(list(range(1, 10)), SamplingParams(), BS)
+        )
     assert sch.is_finished()
 
 
@@ -231,8 +253,10 @@ def test_scripted_workload_keeps_integrity_and_frees_every_block():
     sch = make_scheduler(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=10)
     runner = FakeRunner()
     shared = list(range(1, 9))
-    seqs = [add(sch, shared + [100 + i] * (i % 5), max_tokens=3 + i % 4, ignore_eos=True)
-            for i in range(10)]
+    seqs = [
+        add(sch, shared + [100 + i] * (i % 5), max_tokens=3 + i % 4, ignore_eos=True)
+        for i in range(10)
+    ]
     steps = run_until_done(sch, runner)  # step() checks integrity after every step
     assert all(s.num_completion_tokens == 3 + i % 4 for i, s in enumerate(seqs))
     bm = sch.block_manager

@@ -3,38 +3,42 @@ through random workloads (arrivals at random steps, shared prefixes, tiny block 
 token budgets, EOS, aborts). Invariants are checked after every step, what the KV cache
 holds on every step (the fake runner reads each sequence's context back from its slots),
 and every completion against a replay in plain Python."""
+
+from fake_runner import FakeRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from invariants import check_scheduler
 
 from nanovllm.core import BlockManager, Scheduler, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
-
-from fake_runner import FakeRunner
-from invariants import check_scheduler
 
 EOS = 0
 MAX_STEPS = 5000
 
 tokens = st.lists(st.integers(1, 4), max_size=14)  # a tiny alphabet: many equal blocks
-request = st.fixed_dictionaries({
-    "arrival": st.integers(0, 25),
-    "prefix": st.integers(0, 2),
-    "own": tokens,
-    "max_tokens": st.integers(1, 16),
-    "ignore_eos": st.booleans(),
-    "eos_at": st.one_of(st.none(), st.integers(1, 40)),    # runner emits EOS at this length
-    "abort_at": st.one_of(st.none(), st.integers(0, 60)),  # step at which it is aborted
-})
-workload = st.fixed_dictionaries({
-    "block_size": st.integers(1, 6),
-    "num_blocks": st.integers(1, 16),
-    "max_num_seqs": st.integers(1, 5),
-    "budget": st.integers(1, 24),
-    "max_model_len": st.integers(2, 48),
-    "prefix_caching": st.booleans(),
-    "prefixes": st.lists(tokens, min_size=3, max_size=3),
-    "requests": st.lists(request, min_size=1, max_size=10),
-})
+request = st.fixed_dictionaries(
+    {
+        "arrival": st.integers(0, 25),
+        "prefix": st.integers(0, 2),
+        "own": tokens,
+        "max_tokens": st.integers(1, 16),
+        "ignore_eos": st.booleans(),
+        "eos_at": st.one_of(st.none(), st.integers(1, 40)),  # runner emits EOS at this length
+        "abort_at": st.one_of(st.none(), st.integers(0, 60)),  # step at which it is aborted
+    }
+)
+workload = st.fixed_dictionaries(
+    {
+        "block_size": st.integers(1, 6),
+        "num_blocks": st.integers(1, 16),
+        "max_num_seqs": st.integers(1, 5),
+        "budget": st.integers(1, 24),
+        "max_model_len": st.integers(2, 48),
+        "prefix_caching": st.booleans(),
+        "prefixes": st.lists(tokens, min_size=3, max_size=3),
+        "requests": st.lists(request, min_size=1, max_size=10),
+    }
+)
 
 
 def expected_length(prompt_len: int, r: dict, max_model_len: int) -> int:
@@ -57,13 +61,15 @@ def expected_completion(prompt: list[int], r: dict, max_model_len: int) -> list[
     for _ in range(expected_length(len(prompt), r, max_model_len)):
         eos_due = r["eos_at"] is not None and len(tokens) + 1 >= r["eos_at"]
         tokens.append(EOS if eos_due else next_token(tuple(tokens)))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def never_fits(prompt_len: int, r: dict, w: dict) -> bool:
     if prompt_len > w["max_model_len"]:
         return True
-    final_len = prompt_len + expected_length(prompt_len, dict(r, ignore_eos=True), w["max_model_len"])
+    final_len = prompt_len + expected_length(
+        prompt_len, dict(r, ignore_eos=True), w["max_model_len"]
+    )
     kv_tokens = final_len - 1  # the last sampled token never needs a slot
     return -(-kv_tokens // w["block_size"]) > w["num_blocks"]
 
@@ -72,15 +78,20 @@ def check_decode_first(decoding: list[Sequence], seqs: list[Sequence], w: dict) 
     """Every sequence that was decoding gets its token this step (decode rows first), unless
     it was preempted or the step's rows ran out."""
     decode_rows = [s for s in seqs if not s.is_prefill]
-    assert seqs[:len(decode_rows)] == decode_rows
+    assert seqs[: len(decode_rows)] == decode_rows
     assert all(s.num_scheduled_tokens == 1 for s in decode_rows)
     full = len(decode_rows) == min(w["max_num_seqs"], w["budget"])
     for seq in decoding:
         assert seq in decode_rows or seq.status == SequenceStatus.WAITING or full
 
 
-def check_step(scheduler: Scheduler, batch_seqs: list[Sequence], num_tokens: int, w: dict,
-               all_seqs: list[Sequence]) -> None:
+def check_step(
+    scheduler: Scheduler,
+    batch_seqs: list[Sequence],
+    num_tokens: int,
+    w: dict,
+    all_seqs: list[Sequence],
+) -> None:
     check_scheduler(scheduler)  # free xor referenced, ref counts, coverage, hash entries
     assert batch_seqs, "an empty batch while work was pending"
     assert len(batch_seqs) <= w["max_num_seqs"]
@@ -95,8 +106,12 @@ def check_step(scheduler: Scheduler, batch_seqs: list[Sequence], num_tokens: int
 @given(workload)
 def test_random_workloads_keep_invariants_and_finish(w):
     bm = BlockManager(w["num_blocks"], w["block_size"], enable_prefix_caching=w["prefix_caching"])
-    scheduler = Scheduler(bm, max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                          max_model_len=w["max_model_len"])
+    scheduler = Scheduler(
+        bm,
+        max_num_seqs=w["max_num_seqs"],
+        max_num_batched_tokens=w["budget"],
+        max_model_len=w["max_model_len"],
+    )
     runner = FakeRunner(eos=EOS, next_token=next_token)
     admitted: list[tuple[Sequence, dict]] = []
     aborted: set[int] = set()
@@ -104,8 +119,12 @@ def test_random_workloads_keep_invariants_and_finish(w):
     for step in range(MAX_STEPS):
         for r in (r for r in w["requests"] if r["arrival"] == step):
             prompt = (w["prefixes"][r["prefix"]] + r["own"]) or [1]
-            seq = Sequence(prompt, SamplingParams(max_tokens=r["max_tokens"],
-                                                  ignore_eos=r["ignore_eos"]), w["block_size"], [EOS])
+            seq = Sequence(
+                prompt,
+                SamplingParams(max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"]),
+                w["block_size"],
+                [EOS],
+            )
             if r["eos_at"] is not None:
                 runner.eos_after[seq.seq_id] = r["eos_at"]
             try:
@@ -137,7 +156,7 @@ def test_random_workloads_keep_invariants_and_finish(w):
     for seq, r in admitted:
         assert seq.is_finished
         if seq.seq_id not in aborted:
-            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
             assert seq.completion_token_ids == expected_completion(prompt, r, w["max_model_len"])
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)

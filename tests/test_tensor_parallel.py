@@ -2,6 +2,7 @@
 and as `transformers`; worker processes that fail loudly and leave nothing behind.
 
 Spawning a rank costs seconds (it imports torch), so each engine serves a few asserts."""
+
 import gc
 import os
 import signal
@@ -14,16 +15,14 @@ from time import monotonic
 
 import pytest
 import torch
-
-from nanovllm import LLM
-from nanovllm.models.demo import build_tiny_qwen3
-from nanovllm.layers.embed_head import VocabParallelEmbedding
-from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
-from nanovllm.distributed.group import TPGroup, tp_group_scope
-
 from arrivals import mixed_steps, run_with_arrivals
 from test_qwen3_parity import BLOCK, GREEDY, expected, generate, make_prompts
+
+from nanovllm import LLM
+from nanovllm.distributed.group import TPGroup, tp_group_scope
+from nanovllm.layers.embed_head import VocabParallelEmbedding
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.models.demo import build_tiny_qwen3
 
 TP2 = dict(tensor_parallel_size=2, kvcache_block_size=BLOCK)
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,9 +33,16 @@ def biased_tied(tmp_path_factory) -> Path:
     """Heads 4 / KV heads 2 with attention biases and a tied LM head: with 2 ranks, every
     sharded layer kind and both bias kinds (sharded QKV, once-added o_proj). Its layers are
     drawn wider than its embedding, as conftest's tied "mqa", so its greedy output varies."""
-    return build_tiny_qwen3(tmp_path_factory.mktemp("tp") / "biased_tied", num_heads=4,
-                            num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
-                            attention_bias=True, layer_initializer_range=0.24, seed=1)
+    return build_tiny_qwen3(
+        tmp_path_factory.mktemp("tp") / "biased_tied",
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        layer_initializer_range=0.24,
+        seed=1,
+    )
 
 
 def worker_processes(llm: LLM) -> list:
@@ -82,6 +88,7 @@ def raises_within(seconds: float, fn) -> BaseException:
             outcome.append(None)
         except BaseException as e:  # the test inspects it
             outcome.append(e)
+
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     thread.join(seconds)
@@ -91,7 +98,8 @@ def raises_within(seconds: float, fn) -> BaseException:
 
 
 def test_two_tp2_engines_at_once_match_transformers_and_tp1_then_close_cleanly(
-        checkpoints, biased_tied):
+    checkpoints, biased_tied
+):
     paths = [checkpoints["gqa"], biased_tied]
     prompts = make_prompts()  # test_qwen3_parity's: transformers' answers are cached
     engines = [LLM(str(path), num_kvcache_blocks=128, **TP2) for path in paths]
@@ -110,8 +118,7 @@ def test_two_tp2_engines_at_once_match_transformers_and_tp1_then_close_cleanly(
     assert not [p for p in workers if is_running(p.pid)]
 
 
-def test_chunked_prefill_and_preemption_match_then_deleting_the_llm_stops_its_workers(
-        checkpoints):
+def test_chunked_prefill_and_preemption_match_then_deleting_the_llm_stops_its_workers(checkpoints):
     path = checkpoints["gqa"]
     prompts = make_prompts([20, 30, 12, 25, 40, 8], seed=7)  # test_qwen3_parity's: cached
     llm = LLM(str(path), num_kvcache_blocks=10, max_num_batched_tokens=24, **TP2)
@@ -175,17 +182,20 @@ def test_a_step_that_fails_on_rank_0_leaves_the_engine_refusing_to_run(checkpoin
 @pytest.mark.parametrize("end", ["exit without close", "killed"])
 def test_workers_end_with_the_callers_process(checkpoints, end):
     last_line = "os.kill(os.getpid(), signal.SIGKILL)" if end == "killed" else "pass"
-    script = ("import os, signal\n"
-              "from nanovllm import LLM\n"
-              "if __name__ == '__main__':\n"
-              f"    llm = LLM({str(checkpoints['gqa'])!r}, tensor_parallel_size=2,"
-              " num_kvcache_blocks=8)\n"
-              "    print(*[p.pid for p in llm.model_runner.workers.processes], flush=True)\n"
-              f"    {last_line}\n")
+    script = (
+        "import os, signal\n"
+        "from nanovllm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(checkpoints['gqa'])!r}, tensor_parallel_size=2,"
+        " num_kvcache_blocks=8)\n"
+        "    print(*[p.pid for p in llm.model_runner.workers.processes], flush=True)\n"
+        f"    {last_line}\n"
+    )
     cwd = Path(checkpoints["gqa"]).parent
     (cwd / "tp_end.py").write_text(script)
-    result = subprocess.run([sys.executable, "tp_end.py"], cwd=cwd, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "tp_end.py"], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
     pids = [int(pid) for pid in result.stdout.split()]
     assert pids, result.stderr[-3000:]
     if end == "killed":
@@ -201,10 +211,12 @@ def test_workers_end_with_the_callers_process(checkpoints, end):
             assert sign_of_trouble not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("shape,tp,dim", [("gqa", 3, "num_attention_heads"),
-                                          ("mqa", 2, "num_key_value_heads")])
+@pytest.mark.parametrize(
+    "shape,tp,dim", [("gqa", 3, "num_attention_heads"), ("mqa", 2, "num_key_value_heads")]
+)
 def test_a_size_that_does_not_divide_the_model_is_a_value_error_before_spawning(
-        checkpoints, shape, tp, dim):
+    checkpoints, shape, tp, dim
+):
     import multiprocessing
 
     with pytest.raises(ValueError, match=f"{dim}.*tensor_parallel_size 1"):
@@ -214,20 +226,26 @@ def test_a_size_that_does_not_divide_the_model_is_a_value_error_before_spawning(
 
 # -- weight loaders: each rank takes its own shard (no processes needed) ------------
 
+
 def shard_layers(rank: int) -> dict:
     with tp_group_scope(TPGroup(rank=rank, size=2)):
-        return {"qkv": QKVParallelLinear(8, head_dim=2, total_num_heads=4,
-                                         total_num_kv_heads=2, bias=True),
-                "gate_up": MergedColumnParallelLinear(8, [6, 6]),
-                "down": RowParallelLinear(6, 8, bias=True),
-                "embed": VocabParallelEmbedding(10, 8)}
+        return {
+            "qkv": QKVParallelLinear(
+                8, head_dim=2, total_num_heads=4, total_num_kv_heads=2, bias=True
+            ),
+            "gate_up": MergedColumnParallelLinear(8, [6, 6]),
+            "down": RowParallelLinear(6, 8, bias=True),
+            "embed": VocabParallelEmbedding(10, 8),
+        }
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_loads_its_own_shard(rank):
     layers = shard_layers(rank)
-    full = {name: torch.randn(rows, 8) for name, rows in
-            [("q", 8), ("k", 4), ("v", 4), ("gate", 6), ("up", 6), ("embed", 10)]}
+    full = {
+        name: torch.randn(rows, 8)
+        for name, rows in [("q", 8), ("k", 4), ("v", 4), ("gate", 6), ("up", 6), ("embed", 10)]
+    }
     qkv = layers["qkv"]
     for shard_id in "qkv":
         qkv.weight.weight_loader(qkv.weight, full[shard_id], shard_id)
@@ -238,16 +256,17 @@ def test_each_rank_loads_its_own_shard(rank):
     gate_up = layers["gate_up"]
     for i, name in enumerate(["gate", "up"]):
         gate_up.weight.weight_loader(gate_up.weight, full[name], i)
-    assert torch.equal(gate_up.weight, torch.cat([full["gate"].chunk(2)[rank],
-                                                  full["up"].chunk(2)[rank]]))
+    assert torch.equal(
+        gate_up.weight, torch.cat([full["gate"].chunk(2)[rank], full["up"].chunk(2)[rank]])
+    )
     down, down_weight, down_bias = layers["down"], torch.randn(8, 6), torch.randn(8)
     down.weight.weight_loader(down.weight, down_weight)
     down.bias.weight_loader(down.bias, down_bias)
-    assert torch.equal(down.weight, down_weight[:, 3 * rank:3 * rank + 3])
+    assert torch.equal(down.weight, down_weight[:, 3 * rank : 3 * rank + 3])
     assert torch.equal(down.bias, down_bias)  # 1-D: whole on every rank, added by rank 0 only
     embed = layers["embed"]
     embed.weight.weight_loader(embed.weight, full["embed"])
-    assert torch.equal(embed.weight, full["embed"][5 * rank:5 * rank + 5])
+    assert torch.equal(embed.weight, full["embed"][5 * rank : 5 * rank + 5])
 
 
 def test_merged_column_parts_must_each_divide():

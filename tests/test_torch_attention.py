@@ -3,19 +3,19 @@ tested against) against attention written out by hand in float64: decode both wa
 runs on a CPU (the native paged kernel, kernels/cpu_decode.py, and the gathering
 reference), prefill after a cached prefix; the kernel against the reference in bfloat16;
 and, end to end, a batch larger than one decode group against transformers."""
+
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import hf_greedy, native_library
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.backend import TorchBackend
-from nanovllm.kernels.torch_attention import DECODE_GROUP_SIZE
+from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels import cpu_build, cpu_decode
-
-from conftest import hf_greedy, native_library
+from nanovllm.kernels.torch_attention import DECODE_GROUP_SIZE
 
 
 def naive_decode(q, keys, values, scale):
@@ -32,8 +32,12 @@ def naive_prefill(q, keys, values, scale):
     """A chunk of len(q) queries, the sequence's last positions, over its keys in float64,
     causal: q [len_q, heads, dim]; keys, values [len_k, kv_heads, dim]."""
     offset = keys.shape[0] - q.shape[0]
-    return torch.stack([naive_decode(q[j], keys[:offset + j + 1], values[:offset + j + 1], scale)
-                        for j in range(q.shape[0])])
+    return torch.stack(
+        [
+            naive_decode(q[j], keys[: offset + j + 1], values[: offset + j + 1], scale)
+            for j in range(q.shape[0])
+        ]
+    )
 
 
 def paged_batch(lengths, block_size=4, num_kv_heads=2, head_dim=8, seed=0, dtype=torch.float32):
@@ -47,8 +51,9 @@ def paged_batch(lengths, block_size=4, num_kv_heads=2, head_dim=8, seed=0, dtype
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    ctx = AttentionMetadata(block_tables=block_tables,
-                            context_lens=torch.tensor(lengths, dtype=torch.int32))
+    ctx = AttentionMetadata(
+        block_tables=block_tables, context_lens=torch.tensor(lengths, dtype=torch.int32)
+    )
     return k_cache, v_cache, tables, ctx
 
 
@@ -76,21 +81,27 @@ def backend(request):
     return TorchBackend(native_cpu_decode=request.param == "native")
 
 
-@pytest.mark.parametrize("lengths,num_heads,num_kv_heads,head_dim", [
-    ([5], 4, 2, 8),                                   # one sequence
-    ([1, 4, 9, 3], 4, 2, 8),                          # fewer than a group, in batch order
-    ([(7 * i) % 37 + 1 for i in range(DECODE_GROUP_SIZE * 2 + 3)], 4, 2, 8),  # sorted groups
-    ([4, 8, 1, 12, 3, 5], 8, 1, 16),                  # MQA; lengths on and off block edges
-    ([1, 2, 3], 6, 6, 8),                             # no GQA
-    ([33, 7, 64], 16, 8, 128),                        # Qwen3-0.6B's heads, several blocks
-])
+@pytest.mark.parametrize(
+    "lengths,num_heads,num_kv_heads,head_dim",
+    [
+        ([5], 4, 2, 8),  # one sequence
+        ([1, 4, 9, 3], 4, 2, 8),  # fewer than a group, in batch order
+        ([(7 * i) % 37 + 1 for i in range(DECODE_GROUP_SIZE * 2 + 3)], 4, 2, 8),  # sorted groups
+        ([4, 8, 1, 12, 3, 5], 8, 1, 16),  # MQA; lengths on and off block edges
+        ([1, 2, 3], 6, 6, 8),  # no GQA
+        ([33, 7, 64], 16, 8, 128),  # Qwen3-0.6B's heads, several blocks
+    ],
+)
 def test_decode_equals_attention_written_out(backend, lengths, num_heads, num_kv_heads, head_dim):
-    k_cache, v_cache, tables, ctx = paged_batch(lengths, num_kv_heads=num_kv_heads,
-                                                head_dim=head_dim)
+    k_cache, v_cache, tables, ctx = paged_batch(
+        lengths, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
     q = torch.randn(len(lengths), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
     out = backend.decode(q, k_cache, v_cache, ctx, scale=0.3)
     for i, n in enumerate(lengths):
-        expected = naive_decode(q[i], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.3)
+        expected = naive_decode(
+            q[i], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.3
+        )
         assert torch.allclose(out[i].double(), expected, atol=1e-5), f"sequence {i} (length {n})"
 
 
@@ -101,21 +112,31 @@ def test_prefill_after_a_cached_prefix_equals_attention_written_out():
     k_cache, v_cache, tables, decode_ctx = paged_batch(seqlens_k)  # every slot holds K/V
     q = torch.randn(sum(chunk_lens), 4, 8, generator=torch.Generator().manual_seed(1))
     unused = torch.full((sum(chunk_lens), 2, 8), float("nan"))  # keys come from the cache
-    ctx = AttentionMetadata(block_tables=decode_ctx.block_tables, cu_seqlens_q=cu_seqlens(chunk_lens),
-                            cu_seqlens_k=cu_seqlens(seqlens_k), max_seqlen_q=max(chunk_lens),
-                            max_seqlen_k=max(seqlens_k), seqlens_q=chunk_lens, seqlens_k=seqlens_k)
+    ctx = AttentionMetadata(
+        block_tables=decode_ctx.block_tables,
+        cu_seqlens_q=cu_seqlens(chunk_lens),
+        cu_seqlens_k=cu_seqlens(seqlens_k),
+        max_seqlen_q=max(chunk_lens),
+        max_seqlen_k=max(seqlens_k),
+        seqlens_q=chunk_lens,
+        seqlens_k=seqlens_k,
+    )
     out = TorchBackend().prefill(q, unused, unused, k_cache, v_cache, ctx, scale=0.3)
     starts = cu_seqlens(chunk_lens).tolist()
     for i, n in enumerate(seqlens_k):
         rows = slice(starts[i], starts[i + 1])
-        expected = naive_prefill(q[rows], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.3)
+        expected = naive_prefill(
+            q[rows], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.3
+        )
         assert torch.allclose(out[rows].double(), expected, atol=1e-5), f"sequence {i}"
 
 
 @native
 def test_native_decode_reads_a_bfloat16_cache_as_the_reference_does():
     lengths = [17, 1, 40, 16]
-    k_cache, v_cache, _, ctx = paged_batch(lengths, block_size=16, head_dim=64, dtype=torch.bfloat16)
+    k_cache, v_cache, _, ctx = paged_batch(
+        lengths, block_size=16, head_dim=64, dtype=torch.bfloat16
+    )
     q = torch.randn(len(lengths), 4, 64).to(torch.bfloat16)
     native = TorchBackend().decode(q, k_cache, v_cache, ctx, scale=0.125)
     reference = TorchBackend(native_cpu_decode=False).decode(q, k_cache, v_cache, ctx, scale=0.125)
@@ -126,35 +147,52 @@ def test_native_decode_reads_a_bfloat16_cache_as_the_reference_does():
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
-                                            (128, 4), (40, 3), (16, 2), (32, 4)])
+@pytest.mark.parametrize(
+    "head_dim,group",
+    [(64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4), (40, 3), (16, 2), (32, 4)],
+)
 def test_native_decode_over_block_sizes_head_dims_and_groups(dtype, block_size, head_dim, group):
     """The kernel's paths: head_dims it compiles for (16..256) and any other (40: a 16-wide
     chunk and a tail), heads two at a time and an odd one left, 8-row tiles and the rows
     left, one and several blocks a sequence; a bfloat16 cache read exactly (float32 q)."""
     lengths = [1, 3, 16, 17, 300]
-    k_cache, v_cache, tables, ctx = paged_batch(lengths, block_size=block_size, num_kv_heads=2,
-                                                head_dim=head_dim, dtype=dtype)
+    k_cache, v_cache, tables, ctx = paged_batch(
+        lengths, block_size=block_size, num_kv_heads=2, head_dim=head_dim, dtype=dtype
+    )
     q = torch.randn(len(lengths), 2 * group, head_dim, generator=torch.Generator().manual_seed(1))
-    out = cpu_decode.paged_decode(cpu_decode.load(), q, k_cache, v_cache, ctx.block_tables,
-                                  ctx.context_lens, 0.1)
+    out = cpu_decode.paged_decode(
+        cpu_decode.load(), q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, 0.1
+    )
     for i, n in enumerate(lengths):
-        expected = naive_decode(q[i], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.1)
+        expected = naive_decode(
+            q[i], keys_of(k_cache, tables[i], n), keys_of(v_cache, tables[i], n), 0.1
+        )
         assert torch.allclose(out[i].double(), expected, atol=1e-5), f"sequence {i} (length {n})"
 
 
 @native
 def test_native_decode_is_the_same_on_two_threads():
     lengths = [(13 * i) % 70 + 1 for i in range(9)]
-    k_cache, v_cache, _, ctx = paged_batch(lengths, block_size=16, head_dim=64, dtype=torch.bfloat16)
+    k_cache, v_cache, _, ctx = paged_batch(
+        lengths, block_size=16, head_dim=64, dtype=torch.bfloat16
+    )
     q = torch.randn(len(lengths), 4, 64)
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append(cpu_decode.paged_decode(cpu_decode.load(), q, k_cache, v_cache,
-                                                ctx.block_tables, ctx.context_lens, 0.125))
+            outs.append(
+                cpu_decode.paged_decode(
+                    cpu_decode.load(),
+                    q,
+                    k_cache,
+                    v_cache,
+                    ctx.block_tables,
+                    ctx.context_lens,
+                    0.125,
+                )
+            )
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
@@ -170,7 +208,9 @@ def test_without_a_compiler_decode_falls_back_with_a_warning(monkeypatch, caplog
         k_cache, v_cache, tables, ctx = paged_batch([6, 2])
         q = torch.randn(2, 4, 8)
         out = TorchBackend().decode(q, k_cache, v_cache, ctx, scale=0.5)
-        expected = naive_decode(q[0], keys_of(k_cache, tables[0], 6), keys_of(v_cache, tables[0], 6), 0.5)
+        expected = naive_decode(
+            q[0], keys_of(k_cache, tables[0], 6), keys_of(v_cache, tables[0], 6), 0.5
+        )
         assert torch.allclose(out[0].double(), expected, atol=1e-5)
     finally:
         cpu_decode.load.cache_clear()
@@ -183,7 +223,9 @@ def test_every_layer_of_a_step_reads_its_own_cache(backend):
     q = torch.randn(len(lengths), 4, 8)
     backend.decode(q, k_cache, v_cache, ctx, scale=1.0)  # layer 0 plans the step
     out = backend.decode(q, 2 * k_cache, -v_cache, ctx, scale=1.0)
-    expected = naive_decode(q[1], 2 * keys_of(k_cache, tables[1], 11), -keys_of(v_cache, tables[1], 11), 1.0)
+    expected = naive_decode(
+        q[1], 2 * keys_of(k_cache, tables[1], 11), -keys_of(v_cache, tables[1], 11), 1.0
+    )
     assert torch.allclose(out[1].double(), expected, atol=1e-5)
 
 

@@ -1,14 +1,14 @@
 """What a vLLM script reads and writes: prompt dicts, LLM.chat, get_tokenizer, the
 RequestOutput / CompletionOutput shapes (and nano-vLLM's out["text"]), stop_reason,
 include_stop_str_in_output, skip_special_tokens, max_tokens=None."""
+
 import pytest
 import torch
+from conftest import hf_greedy, hf_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import FinishReason, Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
-
-from conftest import hf_greedy, hf_model
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -17,8 +17,9 @@ USER = [{"role": "user", "content": "hi there"}]
 
 @pytest.fixture(scope="module")
 def llm(bos_checkpoint):
-    with LLM(str(bos_checkpoint), kvcache_block_size=BLOCK, num_kvcache_blocks=32,
-             max_model_len=64) as llm:
+    with LLM(
+        str(bos_checkpoint), kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_model_len=64
+    ) as llm:
         yield llm
 
 
@@ -26,14 +27,23 @@ def test_text_token_and_dict_prompts_give_the_same_completion(llm, bos_checkpoin
     text = "def f(x):"
     ids = llm.get_tokenizer().encode(text)
     assert ids[0] == llm.tokenizer.convert_tokens_to_ids("<|endoftext|>")  # text gets the BOS
-    outs = llm.generate([text, ids, {"prompt": text}, {"prompt_token_ids": ids}], GREEDY,
-                        use_tqdm=False)
+    outs = llm.generate(
+        [text, ids, {"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False
+    )
     assert [o.prompt for o in outs] == [text, None, text, None]
     assert all(o.prompt_token_ids == ids and o.finished for o in outs)
     # the BOS is also the pad id hf_greedy names: transformers would mask it out unless told
-    expected = hf_model(str(bos_checkpoint)).generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+    expected = (
+        hf_model(str(bos_checkpoint))
+        .generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(ids) :]
+        .tolist()
+    )
     assert [o.outputs[0].token_ids for o in outs] == [expected] * 4
     single = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in single] == [expected]
@@ -44,7 +54,10 @@ def test_outputs_speak_vllm_and_nano_vllm(llm):
     assert isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)
     completion = out.outputs[0]
     assert (out["text"], out["token_ids"], out["finish_reason"]) == (
-        completion.text, completion.token_ids, "length")
+        completion.text,
+        completion.token_ids,
+        "length",
+    )
     assert completion.finished() and completion.stop_reason is None
     assert completion.logprobs is None and completion.cumulative_logprob is None
     assert isinstance(out.request_id, str) and out.prompt_logprobs is None
@@ -58,14 +71,25 @@ def test_chat_is_generate_on_the_rendered_template_without_a_second_bos(llm):
     out = llm.chat(USER, GREEDY, use_tqdm=False)
     assert len(out) == 1 and out[0].prompt == rendered and out[0].prompt_token_ids == ids
     assert out[0]["token_ids"] == llm.generate([ids], GREEDY, use_tqdm=False)[0]["token_ids"]
-    two = llm.chat([USER, USER + [{"role": "assistant", "content": "yo"}]], GREEDY,
-                   add_generation_prompt=False, use_tqdm=False)
-    assert [o.prompt for o in two] == ["<|im_start|>user\nhi there<|im_end|>\n",
-                                       rendered[:-len("assistant\n")] + "assistant\nyo<|im_end|>\n"]
+    two = llm.chat(
+        [USER, USER + [{"role": "assistant", "content": "yo"}]],
+        GREEDY,
+        add_generation_prompt=False,
+        use_tqdm=False,
+    )
+    assert [o.prompt for o in two] == [
+        "<|im_start|>user\nhi there<|im_end|>\n",
+        rendered[: -len("assistant\n")] + "assistant\nyo<|im_end|>\n",
+    ]
     # a template that writes the BOS itself (as Llama 3's does) gets exactly one
     template = "<|endoftext|>{{ greeting }} {{ messages[0]['content'] }}"
-    own = llm.chat(USER, GREEDY, chat_template=template,
-                   chat_template_kwargs={"greeting": "Hello"}, use_tqdm=False)[0]
+    own = llm.chat(
+        USER,
+        GREEDY,
+        chat_template=template,
+        chat_template_kwargs={"greeting": "Hello"},
+        use_tqdm=False,
+    )[0]
     assert own.prompt == "<|endoftext|>Hello hi there"
     assert own.prompt_token_ids == llm.tokenizer.encode(own.prompt, add_special_tokens=False)
     assert own.prompt_token_ids.count(own.prompt_token_ids[0]) == 1
@@ -79,8 +103,9 @@ def test_chat_refuses_what_is_not_a_conversation(llm):
 
 def test_max_tokens_none_generates_up_to_max_model_len(llm, bos_checkpoint):
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False
+    )[0]
     assert out["finish_reason"] == "length"
     assert out["token_ids"] == hf_greedy(str(bos_checkpoint), tuple(prompt), 64 - 10)
 
@@ -88,12 +113,20 @@ def test_max_tokens_none_generates_up_to_max_model_len(llm, bos_checkpoint):
 def test_a_stop_string_is_the_stop_reason_and_kept_in_the_text_when_asked(llm):
     prompt = [9, 8, 7, 6]
     full = llm.generate([prompt], GREEDY, use_tqdm=False)[0]["text"]
-    stop = next(full[i:i + 2] for i in range(3, len(full))
-                if full[i:i + 2].isascii() and full[i:i + 2].isprintable())
-    before = full[:full.index(stop)]
+    stop = next(
+        full[i : i + 2]
+        for i in range(3, len(full))
+        if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
+    )
+    before = full[: full.index(stop)]
     for keep, text in ((False, before), (True, before + stop)):
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop,
-                                include_stop_str_in_output=keep)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            stop=stop,
+            include_stop_str_in_output=keep,
+        )
         completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert (completion.text, completion.stop_reason) == (text, stop)
         assert completion.finish_reason == "stop"
@@ -117,8 +150,9 @@ def test_special_tokens_and_the_stop_token_in_the_text_as_vllm_has_them(llm):
     assert (out.text, out.stop_reason) == ("hellohello", None)  # EOS: no stop_reason
     out = finished(llm, tokens, FinishReason.STOP, skip_special_tokens=False)
     assert out.text == decode(tokens[:-1]) and "<|im_start|>" in out.text
-    out = finished(llm, tokens, FinishReason.STOP, skip_special_tokens=False,
-                   include_stop_str_in_output=True)
+    out = finished(
+        llm, tokens, FinishReason.STOP, skip_special_tokens=False, include_stop_str_in_output=True
+    )
     assert out.text == decode(tokens) and out.text.endswith("<|im_end|>")
     stop_id = word[0]
     out = finished(llm, [*word, stop_id], FinishReason.STOP, stop_token_ids=[stop_id])

@@ -2,6 +2,7 @@
 from the step's metadata to a kernel module (torch: kernels/torch_attention.py and, for a CPU's
 decode, kernels/cpu_decode.py; triton: our Triton kernels; flash_attn: flash-attn's, imported
 when built)."""
+
 import importlib
 from typing import Protocol
 
@@ -19,18 +20,38 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+    def store_kvcache(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               ctx: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
-    """"auto": flash_attn where it can run, else triton on CUDA, else torch. A named backend
+    """ "auto": flash_attn where it can run, else triton on CUDA, else torch. A named backend
     that cannot run is a ValueError saying why; triton and flash-attn are imported if chosen."""
     if name == "auto":
         candidates = ("flash_attn", "triton") if device.type == "cuda" else ()
@@ -52,20 +73,38 @@ class TorchBackend:
         self.native_cpu_decode = native_cpu_decode
         self._decode_step: tuple[AttentionMetadata, list] | None = None  # (its ctx, its groups)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor:
-        return torch_attention.prefill_attention(q, k, v, k_cache, v_cache, ctx.seqlens_q,
-                                                 ctx.seqlens_k, ctx.block_tables, scale)
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return torch_attention.prefill_attention(
+            q, k, v, k_cache, v_cache, ctx.seqlens_q, ctx.seqlens_k, ctx.block_tables, scale
+        )
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if self.native_cpu_decode and q.device.type == "cpu" and k_cache.dtype in cpu_decode.DTYPES:
             if (library := cpu_decode.load()) is not None:
-                return cpu_decode.paged_decode(library, q, k_cache, v_cache, ctx.block_tables,
-                                               ctx.context_lens, scale)
+                return cpu_decode.paged_decode(
+                    library, q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale
+                )
         if self._decode_step is None or self._decode_step[0] is not ctx:  # a step's first layer
-            self._decode_step = ctx, torch_attention.decode_groups(
-                ctx.block_tables, ctx.context_lens, k_cache.shape[1])
+            self._decode_step = (
+                ctx,
+                torch_attention.decode_groups(ctx.block_tables, ctx.context_lens, k_cache.shape[1]),
+            )
         return torch_attention.decode_attention(q, k_cache, v_cache, self._decode_step[1], scale)
 
 
@@ -76,17 +115,42 @@ class TritonBackend:
 
     def __init__(self) -> None:
         from nanovllm import kernels  # imports triton
+
         self.store_kvcache = kernels.store_kvcache  # the interface's signature
         self._prefill = kernels.paged_prefill_attention
         self._decode = kernels.paged_decode_attention
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._prefill(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                             ctx.max_seqlen_q, ctx.block_tables, scale)
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return self._prefill(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            ctx.cu_seqlens_q,
+            ctx.cu_seqlens_k,
+            ctx.max_seqlen_q,
+            ctx.block_tables,
+            scale,
+        )
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         return self._decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
 
 
@@ -97,24 +161,56 @@ class FlashAttnBackend:
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
         from nanovllm.kernels import store_kvcache
+
         self.store_kvcache = store_kvcache
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if ctx.block_tables is not None:  # a cached prefix: keys come from the paged cache
             k, v = k_cache, v_cache
         # flash-attn aligns the causal mask bottom-right when seqlen_q < seqlen_k
-        return self._varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
-                            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                            softmax_scale=scale, causal=True, block_table=ctx.block_tables)
+        return self._varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q=ctx.cu_seqlens_q,
+            cu_seqlens_k=ctx.cu_seqlens_k,
+            max_seqlen_q=ctx.max_seqlen_q,
+            max_seqlen_k=ctx.max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=ctx.block_tables,
+        )
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               ctx: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         # [num_seqs, 1, num_heads, head_dim]: one query token per sequence
-        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
-                                 block_table=ctx.block_tables, softmax_scale=scale, causal=True)
+        out = self._with_kvcache(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=ctx.context_lens,
+            block_table=ctx.block_tables,
+            softmax_scale=scale,
+            causal=True,
+        )
         return out.squeeze(1)
 
 
@@ -126,16 +222,21 @@ def _why_not(name: str, device: torch.device, block_size: int) -> str | None:
         if (error := _import_error("flash_attn")) is not None:
             return f"flash-attn is not installed or does not load ({error}); use 'triton'"
         if block_size % 256:
-            return (f"flash-attn's paged KV cache needs kvcache_block_size % 256 == 0, got "
-                    f"{block_size}; use kvcache_block_size=256 or attention_backend='triton'")
+            return (
+                f"flash-attn's paged KV cache needs kvcache_block_size % 256 == 0, got "
+                f"{block_size}; use kvcache_block_size=256 or attention_backend='triton'"
+            )
     if (error := _import_error("triton")) is not None:  # flash_attn writes the cache with it too
         return f"triton is not installed or does not load ({error})"
     if name == "triton" and device.type != "cuda":
         from nanovllm.kernels import interpreted
+
         if device.type != "cpu" or not interpreted():
-            return (f"the Triton kernels need a CUDA device, not {device.type}; use 'torch' (on a "
-                    f"CPU they run only in Triton's interpreter: TRITON_INTERPRET=1 set before "
-                    f"nanovllm is imported, slow, for tests)")
+            return (
+                f"the Triton kernels need a CUDA device, not {device.type}; use 'torch' (on a "
+                f"CPU they run only in Triton's interpreter: TRITON_INTERPRET=1 set before "
+                f"nanovllm is imported, slow, for tests)"
+            )
     return None
 
 

@@ -1,4 +1,5 @@
 """Per-step attention metadata, set by the runner inside `attention_context(...)` only."""
+
 from dataclasses import dataclass
 
 import torch
@@ -16,16 +17,16 @@ class AttentionMetadata:
 
     Decode: one query token per sequence, attending over `context_lens` tokens."""
 
-    block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] (-1 padded); None: no prefix
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] (-1 padded); None: no prefix
     # prefill
-    cu_seqlens_q: torch.Tensor | None = None   # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor | None = None   # [num_seqs + 1] int32
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     seqlens_q: list[int] | None = None
     seqlens_k: list[int] | None = None
     # decode
-    context_lens: torch.Tensor | None = None   # [num_seqs] int32
+    context_lens: torch.Tensor | None = None  # [num_seqs] int32
 
 
 @dataclass(slots=True)
@@ -38,11 +39,11 @@ class ForwardContext:
     A pure decode step (what CUDA graphs capture) has no `prefill`, a pure prefill step
     no `decode`."""
 
-    slot_mapping: torch.Tensor                   # [num_tokens] every new K/V's slot; -1 = skip
-    decode: AttentionMetadata | None = None      # rows [0, num_decode_tokens)
-    prefill: AttentionMetadata | None = None     # the rows after them
+    slot_mapping: torch.Tensor  # [num_tokens] every new K/V's slot; -1 = skip
+    decode: AttentionMetadata | None = None  # rows [0, num_decode_tokens)
+    prefill: AttentionMetadata | None = None  # the rows after them
     num_decode_tokens: int = 0
-    logits_indices: torch.Tensor | None = None   # [num_seqs] each sequence's last row; None: all
+    logits_indices: torch.Tensor | None = None  # [num_seqs] each sequence's last row; None: all
 
 
 _current: Scoped[ForwardContext | None] = Scoped(None)

@@ -3,6 +3,7 @@ Position p of a sequence lives in slot `block_table[p // block_size] * block_siz
 A full block's hash chains its predecessor's hash with its token ids; hits are confirmed by token
 ids and predecessor, so a collision costs a miss, never wrong KV. A freed block keeps its hash
 and content until the free list hands it out again, so it can be revived."""
+
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,9 +17,9 @@ from nanovllm.core.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None              # set once the block is full and its KV computed
-    token_ids: tuple[int, ...] = ()      # the tokens behind `hash`, to confirm hits
-    parent_id: int | None = None         # the block before this one when it was hashed
+    hash: int | None = None  # set once the block is full and its KV computed
+    token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to confirm hits
+    parent_id: int | None = None  # the block before this one when it was hashed
 
 
 def compute_block_hash(token_ids: tuple[int, ...], parent_hash: int | None) -> int:
@@ -40,7 +41,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         # Ordered: the longest-freed block goes first (LRU eviction); reviving one is O(1).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.num_cache_hit_blocks = 0    # statistics: full blocks reused from the cache
+        self.num_cache_hit_blocks = 0  # statistics: full blocks reused from the cache
 
     @property
     def num_free_blocks(self) -> int:

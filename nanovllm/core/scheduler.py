@@ -9,6 +9,7 @@ fill the rest, the mid-prefill sequence's first:
 Only the last sequence admitted can be left part-way: at most one, the newest in `running`,
 is mid-prefill between steps.
 """
+
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -21,15 +22,22 @@ if TYPE_CHECKING:  # for annotations only: core never imports transformers (nor 
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int,
-                 stop_strings: "StopStringChecker | None" = None, policy: str = "mixed"):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        stop_strings: "StopStringChecker | None" = None,
+        policy: str = "mixed",
+    ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.stop_strings = stop_strings  # needed only by requests with stop strings
-        self.policy = policy              # "mixed" (decode first) or "prefill_first"
+        self.policy = policy  # "mixed" (decode first) or "prefill_first"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0  # statistics
@@ -48,17 +56,20 @@ class Scheduler:
         if seq.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len="
-                f"{self.max_model_len}; shorten it or raise max_model_len")
+                f"{self.max_model_len}; shorten it or raise max_model_len"
+            )
         # The last sampled token never needs KV; the length is capped at max_model_len.
         max_tokens = seq.sampling_params.max_tokens or self.max_model_len
-        final_len = min(seq.num_prompt_tokens + max_tokens,
-                        max(self.max_model_len, seq.num_prompt_tokens + 1))
+        final_len = min(
+            seq.num_prompt_tokens + max_tokens, max(self.max_model_len, seq.num_prompt_tokens + 1)
+        )
         num_blocks = cdiv(final_len - 1, self.block_manager.block_size)
         if num_blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"request needs {num_blocks} KV-cache blocks but the cache has only "
                 f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens, or give "
-                f"the cache more memory (num_kvcache_blocks / the memory budget)")
+                f"the cache more memory (num_kvcache_blocks / the memory budget)"
+            )
 
     def schedule(self) -> list[Sequence]:
         """This step's sequences, decode rows first; empty when idle."""
@@ -71,8 +82,13 @@ class Scheduler:
             # just freed would otherwise go to a prompt the next decode step preempts again.
             admit = self.num_preemptions == preemptions
             seqs += self._schedule_prefill(self.max_num_batched_tokens - len(seqs), admit)
-        if not seqs and not self.is_finished() and not any(  # none waits for a token in flight
-                seq.last_token == PENDING for seq in (*self.running, *self.waiting)):
+        if (
+            not seqs
+            and not self.is_finished()
+            and not any(  # none waits for a token in flight
+                seq.last_token == PENDING for seq in (*self.running, *self.waiting)
+            )
+        ):
             raise RuntimeError("scheduler found no runnable sequence although requests are pending")
         return seqs
 
@@ -106,8 +122,12 @@ class Scheduler:
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             parent = seq.parent  # n > 1: wait for the first's prompt KV, to share it as hits
-            if (parent is not None and parent.is_prefill and not parent.is_finished
-                    and self.block_manager.enable_prefix_caching):
+            if (
+                parent is not None
+                and parent.is_prefill
+                and not parent.is_finished
+                and self.block_manager.enable_prefix_caching
+            ):
                 break  # it is ahead in the queue (a preempted one goes back to the front)
             # Look the prefix up first: the budget is spent only on uncached tokens.
             cached_blocks = self.block_manager.get_cached_blocks(seq)

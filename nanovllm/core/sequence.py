@@ -6,6 +6,7 @@
 
 A step computes `num_scheduled_tokens` tokens from `num_cached_tokens` on (KV from the
 prefix cache or an earlier step); a prefill chunk that ends at `num_tokens` yields a token."""
+
 from array import array
 from collections.abc import Iterable
 from enum import Enum, auto
@@ -13,7 +14,6 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import cdiv
-
 
 PENDING = -1  # a sampled token not read yet: the last one, from advance() until accept()
 
@@ -29,23 +29,48 @@ WAITING, RUNNING, FINISHED = SequenceStatus  # in order; as globals: read 7x fas
 
 class FinishReason(Enum):
     """Why a sequence finished, in vLLM's words (`.value` is what outputs report)."""
-    STOP = "stop"      # EOS, a stop token id or a stop string
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
-    ABORT = "abort"    # abort_request(), or a failed step
+    ABORT = "abort"  # abort_request(), or a failed step
 
 
 class Sequence:
     __slots__ = (
-        "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
-        "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table", "max_num_tokens",
-        "block_size", "sampling_params", "stop_token_ids", "finish_reason", "stop_text",
-        "index", "parent", "request_id", "logprobs", "prompt_logprobs", "num_prefix_cached_tokens",
+        "seq_id",
+        "status",
+        "token_ids",
+        "last_token",
+        "num_tokens",
+        "num_prompt_tokens",
+        "num_cached_tokens",
+        "num_scheduled_tokens",
+        "is_prefill",
+        "block_table",
+        "max_num_tokens",
+        "block_size",
+        "sampling_params",
+        "stop_token_ids",
+        "finish_reason",
+        "stop_text",
+        "index",
+        "parent",
+        "request_id",
+        "logprobs",
+        "prompt_logprobs",
+        "num_prefix_cached_tokens",
     )
     _next_id = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None,
-                 block_size: int, eos_token_ids: Iterable[int] = (),
-                 parent: "Sequence | None" = None, index: int = 0):
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        block_size: int,
+        eos_token_ids: Iterable[int] = (),
+        parent: "Sequence | None" = None,
+        index: int = 0,
+    ):
         """n > 1: `parent` is the request's first sequence, `index` which completion this is."""
         self.seq_id = next(Sequence._next_id)
         self.status = WAITING
@@ -90,8 +115,9 @@ class Sequence:
     def needs_prompt_logits(self) -> bool:
         """Prompt logprobs still owed: every prompt row needs logits, none from the prefix
         cache. (Workers see [] for True, None for False.)"""
-        return (self.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def num_blocks(self) -> int:

@@ -6,6 +6,7 @@ it is built (`with tp_group_scope(group): model = ...`) and keeps it. Outside a 
 group is a single rank. The collectives call the backend object itself: torch.distributed's
 functions look ranks up in a registry our groups are not in.
 """
+
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,11 +55,13 @@ class TPGroup:
         length = torch.tensor([data.numel()], device=device)
         self.process_group.allgather([sizes], [length]).wait()
         padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8, device=device)
-        padded[:data.numel()] = data
+        padded[: data.numel()] = data
         shards = [torch.empty_like(padded) for _ in range(self.size)]
         self.process_group.allgather([shards], [padded]).wait()
-        return [pickle.loads(shard[:int(size.item())].cpu().numpy().tobytes())
-                for shard, size in zip(shards, sizes)]
+        return [
+            pickle.loads(shard[: int(size.item())].cpu().numpy().tobytes())
+            for shard, size in zip(shards, sizes)
+        ]
 
     def shutdown(self) -> None:
         """Release the backend (NCCL communicators, sockets); no collective after. Every

@@ -4,6 +4,7 @@ tensor-parallel group samples and broadcasts the tokens. Ranks are laid out
 
     world rank = dp_rank * tensor_parallel_size + tp_rank     (one replica's ranks adjacent)
 """
+
 import os
 from dataclasses import dataclass
 from itertools import count
@@ -18,12 +19,12 @@ _engine_ids = count()  # every rank builds its engines in the same order: ids ag
 
 @dataclass(frozen=True, slots=True)
 class Torchrun:
-    rank: int        # in the world
+    rank: int  # in the world
     world_size: int
     local_rank: int  # on its node: its GPU
     tp_size: int
-    dp_rank: int     # its replica
-    tp_rank: int     # in its replica
+    dp_rank: int  # its replica
+    tp_rank: int  # in its replica
 
 
 def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
@@ -33,27 +34,35 @@ def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
         return None
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != tp_size * dp_size:
-        raise ValueError(f"torchrun started {world_size} ranks but tensor_parallel_size="
-                         f"{tp_size} x data_parallel_size={dp_size} = {tp_size * dp_size}; "
-                         "make --nnodes x --nproc-per-node equal their product")
+        raise ValueError(
+            f"torchrun started {world_size} ranks but tensor_parallel_size="
+            f"{tp_size} x data_parallel_size={dp_size} = {tp_size * dp_size}; "
+            "make --nnodes x --nproc-per-node equal their product"
+        )
     rank = int(os.environ["RANK"])
-    return Torchrun(rank, world_size, int(os.environ.get("LOCAL_RANK", 0)), tp_size,
-                    *divmod(rank, tp_size))
+    return Torchrun(
+        rank, world_size, int(os.environ.get("LOCAL_RANK", 0)), tp_size, *divmod(rank, tp_size)
+    )
 
 
 def engine_store(launch: Torchrun) -> dist.Store:
     """A key space of this engine's own in torchrun's store (the agent's, when it hosts one;
     else rank 0 opens it on MASTER_PORT)."""
     is_master = launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          launch.world_size, is_master=is_master, timeout=GROUP_TIMEOUT,
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        launch.world_size,
+        is_master=is_master,
+        timeout=GROUP_TIMEOUT,
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(f"nanovllm/engine{next(_engine_ids)}", store)
 
 
 def join_replica_tp_group(launch: Torchrun, store: dist.Store, device: torch.device) -> TPGroup:
     if launch.tp_size == 1:
         return SINGLE_RANK
-    return join_tp_group(dist.PrefixStore(f"tp{launch.dp_rank}", store), launch.tp_rank,
-                         launch.tp_size, device)
-
+    return join_tp_group(
+        dist.PrefixStore(f"tp{launch.dp_rank}", store), launch.tp_rank, launch.tp_size, device
+    )

@@ -8,6 +8,7 @@ ranks 1..N-1, which it spawns here.
 
 Workers answer only through the collectives; closing the pipes (end-of-file) is the exit signal.
 """
+
 import copyreg
 import io
 import multiprocessing as mp
@@ -25,9 +26,9 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.distributed.group import GROUP_TIMEOUT, TPGroup, join_tp_group
 
-HOST = "127.0.0.1"                      # every rank runs on this machine
-JOIN_TIMEOUT_S = 5.0                    # shutdown waits this long for a worker, then terminates it
-JOINED = "worker/{}/joined"             # a spawned rank's key in rank 0's store once it is in
+HOST = "127.0.0.1"  # every rank runs on this machine
+JOIN_TIMEOUT_S = 5.0  # shutdown waits this long for a worker, then terminates it
+JOINED = "worker/{}/joined"  # a spawned rank's key in rank 0's store once it is in
 
 
 def connect_worker(port: int, rank: int, world_size: int, device: torch.device) -> TPGroup:
@@ -44,7 +45,7 @@ class WorkerGroup:
         self.processes: list[mp.process.BaseProcess] = []
         self.pipes: list[Connection] = []  # rank 0's write ends, one per worker
         self.tp_group: TPGroup | None = None
-        self.broken: str | None = None     # why the ranks may be out of step, once they are
+        self.broken: str | None = None  # why the ranks may be out of step, once they are
         self._closing = threading.Event()
         self.watchdog: threading.Thread | None = None
         self._aborted = False
@@ -56,14 +57,18 @@ class WorkerGroup:
         world_size = config.tensor_parallel_size
         group = cls()
         try:
-            store = dist.TCPStore(HOST, 0, world_size, is_master=True, timeout=GROUP_TIMEOUT,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(
+                HOST, 0, world_size, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False
+            )
             ctx = mp.get_context("spawn")
             for rank in range(1, world_size):
                 reader, writer = ctx.Pipe(duplex=False)
-                process = ctx.Process(target=worker_main, name=f"nanovllm-tp-rank{rank}",
-                                      args=(runner_cls, config, rank, store.port, reader),
-                                      daemon=True)
+                process = ctx.Process(
+                    target=worker_main,
+                    name=f"nanovllm-tp-rank{rank}",
+                    args=(runner_cls, config, rank, store.port, reader),
+                    daemon=True,
+                )
                 process.start()
                 reader.close()  # left open here, writing to a dead worker's pipe would not fail
                 group.processes.append(process)
@@ -73,9 +78,12 @@ class WorkerGroup:
         except BaseException:
             group.shutdown()
             raise
-        group.watchdog = threading.Thread(target=group._abort_when_a_worker_dies, daemon=True,
-                                          args=(group.tp_group.process_group,),
-                                          name="nanovllm-tp-watchdog")
+        group.watchdog = threading.Thread(
+            target=group._abort_when_a_worker_dies,
+            daemon=True,
+            args=(group.tp_group.process_group,),
+            name="nanovllm-tp-watchdog",
+        )
         group.watchdog.start()
         return group
 
@@ -112,8 +120,10 @@ class WorkerGroup:
     def _send(self, data: bytes) -> None:
         self.check_alive()
         if self.broken is not None:
-            raise RuntimeError(f"the tensor-parallel ranks are out of step since {self.broken}; "
-                               "close this LLM and create a new one")
+            raise RuntimeError(
+                f"the tensor-parallel ranks are out of step since {self.broken}; "
+                "close this LLM and create a new one"
+            )
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
                 pipe.send_bytes(data)
@@ -131,7 +141,8 @@ class WorkerGroup:
                 raise RuntimeError(
                     f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code "
                     f"{process.exitcode} (its traceback, if any, is on stderr); this engine "
-                    "cannot run any more: close it and create a new one") from cause
+                    "cannot run any more: close it and create a new one"
+                ) from cause
 
     def _abort_when_a_worker_dies(self, process_group: object) -> None:
         """Watchdog: on a worker's death, abort the group so that no rank-0 collective
@@ -151,7 +162,7 @@ class WorkerGroup:
             # Out of step, a worker may wait in a collective rank 0 never joins: no grace.
             stop_process(process, grace_s=JOIN_TIMEOUT_S if self.broken is None else 0.0)
         if self.watchdog is not None:  # ends with the workers; left running, it would keep
-            self.watchdog.join()       # the group alive into exit(), which then aborts (1 in 4)
+            self.watchdog.join()  # the group alive into exit(), which then aborts (1 in 4)
         if self.tp_group is not None and not self._aborted:
             self.tp_group.shutdown()
         self.tp_group = None
@@ -160,8 +171,10 @@ class WorkerGroup:
 class TensorsAsArrays(pickle.Pickler):
     """A step's host-built tensors cross the pipe as numpy arrays: 0.17 ms to pickle and unpickle
     256 decode rows' inputs, against 1.4 ms through torch's own tensor pickling."""
-    dispatch_table = copyreg.dispatch_table | {torch.Tensor: lambda t: (torch.from_numpy,
-                                                                        (t.numpy(),))}
+
+    dispatch_table = copyreg.dispatch_table | {
+        torch.Tensor: lambda t: (torch.from_numpy, (t.numpy(),))
+    }
 
 
 def stop_process(process: mp.process.BaseProcess, grace_s: float) -> None:
@@ -174,8 +187,7 @@ def stop_process(process: mp.process.BaseProcess, grace_s: float) -> None:
         process.join()
 
 
-def worker_main(runner_cls: type, config: Config, rank: int, port: int,
-                pipe: Connection) -> None:
+def worker_main(runner_cls: type, config: Config, rank: int, port: int, pipe: Connection) -> None:
     """A spawned rank: build its shard of the model, then run each call rank 0 sends
     until rank 0 closes the pipe. An exception ends the process (rank 0 notices)."""
     # Ctrl-C reaches the whole process group: rank 0 alone handles it (and stops us).

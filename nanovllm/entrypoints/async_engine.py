@@ -9,6 +9,7 @@ The engine is not thread-safe, so nothing else calls it: the tokenizer runs in t
 thread too. A consumer that stops listening aborts its request, which frees its blocks
 before the next step.
 """
+
 import asyncio
 import logging
 import queue
@@ -29,11 +30,12 @@ logger = logging.getLogger("nanovllm")
 @dataclass(slots=True)
 class Delta:
     """One choice's output since its previous Delta."""
-    index: int                                  # the choice's index in the response
+
+    index: int  # the choice's index in the response
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None   # one entry per new token, if asked for
-    finish_reason: str | None = None            # set on the choice's last Delta
+    logprobs: list[dict[int, Logprob]] | None  # one entry per new token, if asked for
+    finish_reason: str | None = None  # set on the choice's last Delta
     stop_reason: int | str | None = None
 
 
@@ -46,32 +48,44 @@ class ChoiceStream:
     def __init__(self, index: int, tokenizer: PreTrainedTokenizerBase, params: SamplingParams):
         self.index = index
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop),
-                                                                     default=1) - 1
+        self.hold = (
+            0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
+        )
         self.num_chars = self.num_tokens = 0  # sent so far
         self.finished = False
 
     def next(self, token: NewToken) -> Delta:
         self.detokenizer.append([token.token_id])
         end = max(self.num_chars, len(self.detokenizer.text) - self.hold)
-        text, self.num_chars = self.detokenizer.text[self.num_chars:end], end
+        text, self.num_chars = self.detokenizer.text[self.num_chars : end], end
         self.num_tokens += 1
-        return Delta(self.index, text, [token.token_id],
-                     None if token.logprobs is None else [token.logprobs])
+        return Delta(
+            self.index, text, [token.token_id], None if token.logprobs is None else [token.logprobs]
+        )
 
     def final(self, output: CompletionOutput) -> Delta:
         sent, self.finished = self.num_tokens, True
-        return Delta(self.index, output.text[self.num_chars:], output.token_ids[sent:],
-                     None if output.logprobs is None else output.logprobs[sent:],
-                     output.finish_reason, output.stop_reason)
+        return Delta(
+            self.index,
+            output.text[self.num_chars :],
+            output.token_ids[sent:],
+            None if output.logprobs is None else output.logprobs[sent:],
+            output.finish_reason,
+            output.stop_reason,
+        )
 
 
 class RequestStream:
     """One API request: its prompts (each an engine request of n choices), the queue its
     Deltas arrive on, and (loop thread) the state of each choice."""
 
-    def __init__(self, prompts: list[str | list[int]], params: SamplingParams,
-                 add_special_tokens: bool, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        add_special_tokens: bool,
+        loop: asyncio.AbstractEventLoop,
+    ):
         self.prompts, self.params, self.add_special_tokens = prompts, params, add_special_tokens
         self.num_choices = len(prompts) * params.n
         self.added = loop.create_future()  # done once the engine took (or refused) it
@@ -92,7 +106,9 @@ class AsyncEngine:
         self.stats: EngineStats = engine.stats()  # as of the last step, for /metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for /metrics
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._streams: dict[int, tuple[RequestStream, int]] = {}  # engine id -> (stream, first choice)
+        self._streams: dict[
+            int, tuple[RequestStream, int]
+        ] = {}  # engine id -> (stream, first choice)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
 
@@ -112,8 +128,12 @@ class AsyncEngine:
 
     # -- the event loop's side --------------------------------------------------------
 
-    async def add_request(self, prompts: list[str | list[int]], params: SamplingParams,
-                          add_special_tokens: bool = True) -> RequestStream:
+    async def add_request(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
         """Queue the prompts (text is tokenized in the loop thread); raises the engine's
         TypeError / ValueError if one is refused, in which case none is queued."""
         stream = RequestStream(prompts, params, add_special_tokens, self._loop)
@@ -172,9 +192,11 @@ class AsyncEngine:
     def _add(self, stream: RequestStream) -> None:
         try:
             for prompt in stream.prompts:
-                token_ids = self.tokenizer.encode(
-                    prompt, add_special_tokens=stream.add_special_tokens) if isinstance(
-                    prompt, str) else prompt
+                token_ids = (
+                    self.tokenizer.encode(prompt, add_special_tokens=stream.add_special_tokens)
+                    if isinstance(prompt, str)
+                    else prompt
+                )
                 stream.request_ids.append(self.engine.add_request(token_ids, stream.params))
                 stream.prompt_token_ids.append(token_ids)
         except Exception as e:  # e.g. a prompt too long: refuse the whole request
@@ -187,8 +209,9 @@ class AsyncEngine:
             return
         for i, request_id in enumerate(stream.request_ids):
             self._streams[request_id] = (stream, i * stream.params.n)
-        stream.choices = [ChoiceStream(i, self.tokenizer, stream.params)
-                          for i in range(stream.num_choices)]
+        stream.choices = [
+            ChoiceStream(i, self.tokenizer, stream.params) for i in range(stream.num_choices)
+        ]
         self.num_prompt_tokens += sum(map(len, stream.prompt_token_ids))
         self._reply(stream.added, None)
 
@@ -197,8 +220,15 @@ class AsyncEngine:
             if self._streams.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)
         if notify:  # the consumer is still there: end each unfinished choice
-            self._post({stream: [Delta(c.index, "", [], None, "abort")
-                                 for c in stream.choices if not c.finished]})
+            self._post(
+                {
+                    stream: [
+                        Delta(c.index, "", [], None, "abort")
+                        for c in stream.choices
+                        if not c.finished
+                    ]
+                }
+            )
 
     def _abort_all(self) -> None:
         for stream in {stream for stream, _ in self._streams.values()}:
@@ -215,8 +245,9 @@ class AsyncEngine:
         self.num_generation_tokens += len(out.new_tokens)
         self._post(self._batches(out.new_tokens, out.finished))
 
-    def _batches(self, new_tokens: list[NewToken],
-                 finished: list[CompletionOutput]) -> dict[RequestStream, list[Delta]]:
+    def _batches(
+        self, new_tokens: list[NewToken], finished: list[CompletionOutput]
+    ) -> dict[RequestStream, list[Delta]]:
         """Each stream's Deltas of one step: a token each for unfinished choices, the
         rest of the final text for finished ones."""
         batches: dict[RequestStream, list[Delta]] = {}
@@ -226,10 +257,14 @@ class AsyncEngine:
                 stream, first = self._streams[token.request_id]
                 if token.logprobs is not None:
                     self.engine.decode_logprobs([token.logprobs])
-                batches.setdefault(stream, []).append(stream.choices[first + token.index].next(token))
+                batches.setdefault(stream, []).append(
+                    stream.choices[first + token.index].next(token)
+                )
         for output in finished:
             stream, first = self._streams[output.seq_id]
-            batches.setdefault(stream, []).append(stream.choices[first + output.index].final(output))
+            batches.setdefault(stream, []).append(
+                stream.choices[first + output.index].final(output)
+            )
             if all(choice.finished for choice in stream.choices):
                 for request_id in stream.request_ids:
                     del self._streams[request_id]
@@ -243,6 +278,7 @@ class AsyncEngine:
         def reply() -> None:
             if not future.done():  # not cancelled meanwhile
                 future.set_result(None) if error is None else future.set_exception(error)
+
         self._loop.call_soon_threadsafe(reply)
 
 

@@ -9,6 +9,7 @@ chose for `--port 0`). SIGINT / SIGTERM stop it: no new connections, every reque
 flight aborted (streams end with finish_reason "abort"), the engine and its TP workers
 closed, exit status 0.
 """
+
 import argparse
 import signal
 import socket
@@ -23,14 +24,19 @@ SERVER_OPTIONS = ("host", "port", "served_model_name")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="nanovllm's command line")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server",
-                                description="Serve MODEL over OpenAI's HTTP API.")
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve MODEL over OpenAI's HTTP API.",
+    )
     serve.add_argument("model", help="a model directory (config.json, weights, tokenizer)")
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
-    serve.add_argument("--port", type=int, default=8000, help="0: one the OS picks; "
-                       "default: %(default)s")
-    serve.add_argument("--served-model-name", help="the name requests give as `model` "
-                       "(default: MODEL as given)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="0: one the OS picks; default: %(default)s"
+    )
+    serve.add_argument(
+        "--served-model-name", help="the name requests give as `model` (default: MODEL as given)"
+    )
     add_config_options(serve)
     return parser
 
@@ -44,11 +50,17 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = "" if f.default is MISSING else f"default: {f.default}"
         if f.type is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=default)
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=default
+            )
         else:
-            group.add_argument(flag, type=f.type, default=argparse.SUPPRESS,
-                               metavar=f.type.__name__.upper(), help=default)
+            group.add_argument(
+                flag,
+                type=f.type,
+                default=argparse.SUPPRESS,
+                metavar=f.type.__name__.upper(),
+                help=default,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import nanovllm.entrypoints.openai_server  # noqa: F401  (needs the `serve` extra)
     except ImportError as e:
-        parser.exit(1, f"nanovllm serve needs the serve extra (pip install "
-                       f"'nano-vllm[serve]'): {e}\n")
+        parser.exit(
+            1, f"nanovllm serve needs the serve extra (pip install 'nano-vllm[serve]'): {e}\n"
+        )
     return serve(parser, args)
 
 
@@ -69,8 +82,9 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from nanovllm.entrypoints.async_engine import AsyncEngine
     from nanovllm.entrypoints.openai_server import Server, build_app
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "model",
-                                                                 *SERVER_OPTIONS)}
+    options = {
+        k: v for k, v in vars(args).items() if k not in ("command", "model", *SERVER_OPTIONS)
+    }
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.create_server((args.host, args.port), family=family)  # fails before loading
     try:

@@ -1,5 +1,6 @@
 """Data parallelism, offline: `data_parallel_size` engine replicas, each over its own
 `tensor_parallel_size` ranks; generate() splits the prompts (split_by_tokens) across them."""
+
 import multiprocessing as mp
 import os
 import signal
@@ -35,15 +36,19 @@ class TorchrunReplicas:
     def __init__(self, launch: Torchrun) -> None:
         self.launch = launch
         self.rank = launch.dp_rank
-        self.world = join_tp_group(dist.PrefixStore("world", engine_store(launch)), launch.rank,
-                                   launch.world_size, torch.device("cpu"))  # gloo
+        self.world = join_tp_group(
+            dist.PrefixStore("world", engine_store(launch)),
+            launch.rank,
+            launch.world_size,
+            torch.device("cpu"),
+        )  # gloo
 
     def dispatch(self, shares: list[list[int]], prompts: list, params: list) -> None:
         pass  # every rank has every prompt already
 
     def gather(self, local: list) -> list[list]:
         """Each replica's outputs (those of its first rank)."""
-        return self.world.all_gather_objects(local, torch.device("cpu"))[::self.launch.tp_size]
+        return self.world.all_gather_objects(local, torch.device("cpu"))[:: self.launch.tp_size]
 
     def close(self) -> None:
         self.world.shutdown()
@@ -67,8 +72,11 @@ class SpawnedReplicas:
             first = replica * config.tensor_parallel_size  # its GPUs, when there are GPUs
             devices = ",".join(map(str, range(first, first + config.tensor_parallel_size)))
             ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=replica_main, name=f"nanovllm-dp-replica{replica}",
-                                  args=(kwargs, devices if gpus else None, threads, theirs))
+            process = ctx.Process(
+                target=replica_main,
+                name=f"nanovllm-dp-replica{replica}",
+                args=(kwargs, devices if gpus else None, threads, theirs),
+            )
             process.start()
             theirs.close()
             self.pipes.append(ours)
@@ -77,8 +85,9 @@ class SpawnedReplicas:
     def dispatch(self, shares: list[list[int]], prompts: list, params: list) -> None:
         for replica, share in enumerate(shares[1:], start=1):
             try:
-                self.pipes[replica - 1].send(([prompts[i] for i in share],
-                                              [params[i] for i in share]))
+                self.pipes[replica - 1].send(
+                    ([prompts[i] for i in share], [params[i] for i in share])
+                )
             except OSError as e:  # BrokenPipeError: it is gone
                 raise self._died(replica) from e
 
@@ -97,8 +106,10 @@ class SpawnedReplicas:
     def _died(self, replica: int) -> RuntimeError:
         process = self.processes[replica - 1]
         process.join()
-        return RuntimeError(f"data-parallel replica {replica} (pid {process.pid}) exited with "
-                            f"code {process.exitcode}; close this LLM and create a new one")
+        return RuntimeError(
+            f"data-parallel replica {replica} (pid {process.pid}) exited with "
+            f"code {process.exitcode}; close this LLM and create a new one"
+        )
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -109,15 +120,17 @@ class SpawnedReplicas:
         self.processes.clear()
 
 
-def start_replicas(config: Config,
-                   launch: Torchrun | None) -> TorchrunReplicas | SpawnedReplicas | None:
+def start_replicas(
+    config: Config, launch: Torchrun | None
+) -> TorchrunReplicas | SpawnedReplicas | None:
     if config.data_parallel_size == 1:
         return None
     return SpawnedReplicas(config) if launch is None else TorchrunReplicas(launch)
 
 
-def replica_main(kwargs: dict, visible_devices: str | None, num_threads: int,
-                 pipe: Connection) -> None:
+def replica_main(
+    kwargs: dict, visible_devices: str | None, num_threads: int, pipe: Connection
+) -> None:
     """A spawned replica: generate() each share it is sent until the pipe closes."""
     if visible_devices is not None:  # before CUDA starts: its GPUs are cuda:0, cuda:1, ...
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -125,6 +138,7 @@ def replica_main(kwargs: dict, visible_devices: str | None, num_threads: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and stops us
     threading.Thread(target=exit_with_parent, daemon=True).start()
     from nanovllm import LLM  # entrypoints/llm.py imports this module
+
     with LLM(**kwargs) as llm:
         while True:
             try:

@@ -10,7 +10,9 @@
 Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 request (FastAPI's 422 included), 404 for another model's name or an unknown path.
 """
+
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +48,7 @@ class Accepted(NamedTuple):
 
 def build_app(front: AsyncEngine, model_name: str) -> FastAPI:
     """The app; its lifespan starts the engine thread in uvicorn's event loop."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         front.start()
@@ -58,10 +61,16 @@ def build_app(front: AsyncEngine, model_name: str) -> FastAPI:
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
-    app.add_exception_handler(RequestValidationError, lambda request, e: error_response(
-        400, f"invalid request: {e.errors()}"))
-    app.add_exception_handler(HTTPException, lambda request, e: error_response(
-        e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
+    app.add_exception_handler(
+        RequestValidationError,
+        lambda request, e: error_response(400, f"invalid request: {e.errors()}"),
+    )
+    app.add_exception_handler(
+        HTTPException,
+        lambda request, e: error_response(
+            e.status_code, f"{request.method} {request.url.path}: {e.detail}"
+        ),
+    )
     return app
 
 
@@ -92,9 +101,18 @@ class OpenAIServer:
         return Response(status_code=200 if self.front.is_alive() else 503)
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "nanovllm",
-            "max_model_len": self.front.engine.config.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "nanovllm",
+                    "max_model_len": self.front.engine.config.max_model_len,
+                }
+            ],
+        }
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -112,22 +130,32 @@ class OpenAIServer:
         stream, params, body = accepted
         streamed, top_k = bool(body.get("stream")), params.logprobs
         if chat:
-            head = ResponseHead("chatcmpl", "chat.completion.chunk" if streamed
-                                else "chat.completion", self.model_name)
-            choice = lambda delta: protocol.chat_choice(delta, top_k, streamed)
+            head = ResponseHead(
+                "chatcmpl",
+                "chat.completion.chunk" if streamed else "chat.completion",
+                self.model_name,
+            )
+            choice = functools.partial(protocol.chat_choice, top_k=top_k, streamed=streamed)
         else:
             head = ResponseHead("cmpl", "text_completion", self.model_name)
-            choice = lambda delta: protocol.completion_choice(delta, top_k)
+            choice = functools.partial(protocol.completion_choice, top_k=top_k)
         if streamed:
-            chunks = self._chunks(stream, head, choice, protocol.include_usage(body),
-                                  top_k is not None, chat)
+            chunks = self._chunks(
+                stream, head, choice, protocol.include_usage(body), top_k is not None, chat
+            )
             return EventStream(chunks, on_close=lambda: self.front.abort(stream))
         deltas = await self._collect(request, stream)
         if deltas is None:  # the client left; the request is aborted
             return Response(status_code=499)
         choices = protocol.merge(deltas, stream.num_choices)
-        return JSONResponse(head(choices=[choice(d) for d in choices], usage=protocol.usage(
-            stream.prompt_token_ids, sum(len(d.token_ids) for d in choices))))
+        return JSONResponse(
+            head(
+                choices=[choice(d) for d in choices],
+                usage=protocol.usage(
+                    stream.prompt_token_ids, sum(len(d.token_ids) for d in choices)
+                ),
+            )
+        )
 
     async def _accept(self, request: Request, chat: bool) -> Accepted | Response:
         """Parse and check the request and queue it, or the error response."""
@@ -136,12 +164,15 @@ class OpenAIServer:
             body = protocol.parse_body(await request.body())
             protocol.check_fields(body)
             if body.get("model") not in (None, self.model_name):
-                raise ModelNotFound(f"The model `{body['model']}` does not exist; this server "
-                                    f"serves `{self.model_name}`")
+                raise ModelNotFound(
+                    f"The model `{body['model']}` does not exist; this server "
+                    f"serves `{self.model_name}`"
+                )
             params = protocol.sampling_params(body, chat)
             protocol.include_usage(body)
-            prompts = [self._render(body)] if chat else protocol.completion_prompts(
-                body.get("prompt"))
+            prompts = (
+                [self._render(body)] if chat else protocol.completion_prompts(body.get("prompt"))
+            )
             stream = await self.front.add_request(prompts, params, add_special_tokens=not chat)
         except ModelNotFound as e:
             return error_response(404, str(e), param="model", code="model_not_found")
@@ -156,19 +187,34 @@ class OpenAIServer:
         add_generation_prompt = body.get("add_generation_prompt", True)
         try:
             return self.front.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed: {e}") from None
 
-    async def _chunks(self, stream: RequestStream, head: ResponseHead,
-                      choice: Callable[[Delta], dict], with_usage: bool, logprobs: bool,
-                      chat: bool) -> AsyncIterator[dict]:
+    async def _chunks(
+        self,
+        stream: RequestStream,
+        head: ResponseHead,
+        choice: Callable[[Delta], dict],
+        with_usage: bool,
+        logprobs: bool,
+        chat: bool,
+    ) -> AsyncIterator[dict]:
         """One chunk per choice per step with new text (or tokens, when logprobs are
         asked for); chat opens each choice with its role; the usage last, if asked."""
         if chat:
             for i in range(stream.num_choices):
-                yield head(choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}])
+                yield head(
+                    choices=[
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
         num_tokens = 0
         async for batch in self.front.deltas(stream):
             for delta in batch:
@@ -180,6 +226,7 @@ class OpenAIServer:
 
     async def _collect(self, request: Request, stream: RequestStream) -> list[Delta] | None:
         """Every Delta of the stream; None, and the request aborted, if the client leaves."""
+
         async def collect() -> list[Delta]:
             return [delta async for batch in self.front.deltas(stream) for delta in batch]
 
@@ -234,16 +281,37 @@ class EngineMetrics:
     def collect(self):
         stats, front = self.front.stats, self.front
         for family, name, doc, value in (
-                (GaugeMetricFamily, "num_requests_running", "Sequences holding KV-cache blocks.",
-                 stats.num_running),
-                (GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to run.",
-                 stats.num_waiting),
-                (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use "
-                 "(1 = all).", stats.kv_cache_usage),
-                (CounterMetricFamily, "prompt_tokens", "Prompt tokens of requests taken.",
-                 front.num_prompt_tokens),
-                (CounterMetricFamily, "generation_tokens", "Tokens generated.",
-                 front.num_generation_tokens)):
+            (
+                GaugeMetricFamily,
+                "num_requests_running",
+                "Sequences holding KV-cache blocks.",
+                stats.num_running,
+            ),
+            (
+                GaugeMetricFamily,
+                "num_requests_waiting",
+                "Sequences waiting to run.",
+                stats.num_waiting,
+            ),
+            (
+                GaugeMetricFamily,
+                "kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (1 = all).",
+                stats.kv_cache_usage,
+            ),
+            (
+                CounterMetricFamily,
+                "prompt_tokens",
+                "Prompt tokens of requests taken.",
+                front.num_prompt_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "generation_tokens",
+                "Tokens generated.",
+                front.num_generation_tokens,
+            ),
+        ):
             metric = family(f"nanovllm:{name}", doc, labels=["model_name"])
             metric.add_metric(self.labels, value)
             yield metric

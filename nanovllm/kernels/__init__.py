@@ -20,11 +20,16 @@ Triton is imported, with every Triton kernel at once, when the first name below 
 asked for (the CPU kernel needs no Triton). They run on CUDA tensors, or on CPU tensors
 in Triton's interpreter when TRITON_INTERPRET=1 was set before that import.
 """
+
 import importlib
 
-_HOMES = {"interpreted": "layout", "paged_decode_attention": "paged_attention",
-          "paged_prefill_attention": "paged_attention", "store_kvcache": "store_kvcache",
-          "fused_moe": "fused_moe"}
+_HOMES = {
+    "interpreted": "layout",
+    "paged_decode_attention": "paged_attention",
+    "paged_prefill_attention": "paged_attention",
+    "store_kvcache": "store_kvcache",
+    "fused_moe": "fused_moe",
+}
 
 __all__ = list(_HOMES)
 

@@ -8,6 +8,7 @@ holds, loaded by libtorch.
 `load_library` is None, with one warning saying why, when no compiler is found or the build
 fails; the caller then falls back to PyTorch (and says how in the warning).
 """
+
 import ctypes
 import hashlib
 import logging
@@ -36,7 +37,8 @@ def load_library(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.
 
 def _unavailable(source: Path, reason: str, fallback: str) -> None:
     logging.getLogger("nanovllm").warning(
-        "the CPU kernels of %s are unavailable (%s); %s", source.name, reason, fallback)
+        "the CPU kernels of %s are unavailable (%s); %s", source.name, reason, fallback
+    )
     return None
 
 
@@ -46,7 +48,7 @@ def _build_key(source: Path, compiler: str, flags: tuple[str, ...]) -> str:
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = "".join(l for l in lines if l.startswith(("model name", "flags")))[:4096]
+        cpu = "".join(x for x in lines if x.startswith(("model name", "flags")))[:4096]
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
     text = "\n".join((source.read_text(), *headers, compiler, *flags, cpu))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -63,6 +65,11 @@ def _compile(source: Path, compiler: str, flags: tuple[str, ...], path: Path) ->
     """Build into a temporary file, then rename: concurrent first uses never load half a file."""
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [compiler, *flags, str(source), "-o", str(built)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         os.replace(built, path)

@@ -4,6 +4,7 @@ its launcher. The C++ is built at first use and loaded with ctypes (kernels/cpu_
 `load()` is None, with one warning saying why, when no compiler is found or the build
 fails; the torch backend then gathers the rows in use as before.
 """
+
 import ctypes
 import functools
 from pathlib import Path
@@ -18,8 +19,23 @@ SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes it reads
 _INT, _PTR = ctypes.c_int, ctypes.c_void_p
-_ARGTYPES = (_PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int64, _PTR, _INT, _INT, _INT, _INT, _INT,
-             ctypes.c_float, _INT, _INT)
+_ARGTYPES = (
+    _PTR,
+    _PTR,
+    _PTR,
+    _PTR,
+    _PTR,
+    ctypes.c_int64,
+    _PTR,
+    _INT,
+    _INT,
+    _INT,
+    _INT,
+    _INT,
+    ctypes.c_float,
+    _INT,
+    _INT,
+)
 
 
 @functools.cache
@@ -32,9 +48,15 @@ def load() -> ctypes.CDLL | None:
     return library
 
 
-def paged_decode(library: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+def paged_decode(
+    library: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [n, heads, dim] -> [n, heads, dim]: one query per sequence over its
     context_lens[i] cached tokens. Caches [num_blocks, block_size, kv_heads, dim]."""
     _check(q, k_cache, v_cache, block_tables, context_lens)
@@ -43,10 +65,22 @@ def paged_decode(library: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
     out = torch.empty_like(query)
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
     library.nanovllm_paged_decode(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), n, num_heads, k_cache.shape[2],
-        head_dim, k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16),
-        torch.get_num_threads())
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        n,
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        scale,
+        int(k_cache.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -19,6 +19,7 @@ In bfloat16 (emulated here) 1.9-3.8x. From PyTorch's grain size (32768 elements)
 are spread over torch's threads, which paid: the native rms_norm of 256 x 1024 took 57 us on
 1 thread and 33 on 2, of 2048 x 1024 479 and 239 us (rotary, 2048 x 24 heads x 128: 2488, 878).
 """
+
 import ctypes
 import functools
 from collections.abc import Callable
@@ -32,8 +33,16 @@ from nanovllm.kernels.cpu_build import load_library
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # -ffp-contract=off: a*b + c rounded twice, as PyTorch's separate ops do (GCC would fuse an
 # FMA); -fno-math-errno: sqrt is one instruction (no errno for a negative).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared",
-         "-fPIC", "-std=c++17")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
 DTYPES = (torch.float32, torch.bfloat16)
 # Lanes of PyTorch's float vector, which set the order of its sums (cpu_ops.cpp): those of x86
 # builds (AVX2 8, AVX-512 16); under another (ARM's NEON) a mean may differ in its last bit.
@@ -46,11 +55,38 @@ def load() -> ctypes.CDLL | None:
     """The compiled library, built on first use; None (and a warning) if it cannot be."""
     library = load_library(SOURCE, FLAGS, "RMSNorm and rotary run as PyTorch ops")
     if library is not None:
-        library.nanovllm_rms_norm.argtypes = (_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT,
-                                              _INT, ctypes.c_float, _INT, _INT, _INT)
+        library.nanovllm_rms_norm.argtypes = (
+            _PTR,
+            _I64,
+            _PTR,
+            _PTR,
+            _PTR,
+            _PTR,
+            _I64,
+            _INT,
+            _INT,
+            ctypes.c_float,
+            _INT,
+            _INT,
+            _INT,
+        )
         library.nanovllm_rms_norm.restype = None
-        library.nanovllm_rotary.argtypes = (_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64,
-                                            _INT, _INT, _INT, _INT, _INT)
+        library.nanovllm_rotary.argtypes = (
+            _PTR,
+            _PTR,
+            _I64,
+            _PTR,
+            _I64,
+            _PTR,
+            _I64,
+            _PTR,
+            _I64,
+            _INT,
+            _INT,
+            _INT,
+            _INT,
+            _INT,
+        )
         library.nanovllm_rotary.restype = _I64
     return library
 
@@ -69,38 +105,73 @@ def rms_norm(eager: Callable, x: torch.Tensor, weight: torch.Tensor, eps: float)
     return out
 
 
-def add_rms_norm(eager: Callable, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    eager: Callable, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); x, residual [tokens, hidden], contiguous."""
-    if ((library := load()) is None or not _rows_fit(x, weight) or not x.is_contiguous()
-            or not residual.is_contiguous() or residual.shape != x.shape
-            or residual.dtype != x.dtype):
+    if (
+        (library := load()) is None
+        or not _rows_fit(x, weight)
+        or not x.is_contiguous()
+        or not residual.is_contiguous()
+        or residual.shape != x.shape
+        or residual.dtype != x.dtype
+    ):
         return eager(x, residual, weight, eps)
     out, total = torch.empty_like(x), torch.empty_like(x)
     _norm(library, x, residual, weight, out, total, eps)
     return out, total
 
 
-def apply_rotary_emb(eager: Callable, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_emb(
+    eager: Callable,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] rotated by positions
     [tokens]; cos_sin_cache [max_position, 2, head_dim] float32. Returns views of one
     [tokens, heads + kv_heads, head_dim] tensor, as the eager op."""
     (tokens, num_heads, head_dim), num_kv_heads = q.shape, k.shape[1]
-    if ((library := load()) is None or not _heads_fit(q) or not _heads_fit(k)
-            or k.dtype != q.dtype or k.shape[0] != tokens or k.shape[2] != head_dim
-            or head_dim % 2 or positions.dtype != torch.int64 or positions.shape != (tokens,)
-            or not positions.is_contiguous() or cos_sin_cache.dtype != torch.float32
-            or cos_sin_cache.shape[1:] != (2, head_dim) or not cos_sin_cache.is_contiguous()):
+    if (
+        (library := load()) is None
+        or not _heads_fit(q)
+        or not _heads_fit(k)
+        or k.dtype != q.dtype
+        or k.shape[0] != tokens
+        or k.shape[2] != head_dim
+        or head_dim % 2
+        or positions.dtype != torch.int64
+        or positions.shape != (tokens,)
+        or not positions.is_contiguous()
+        or cos_sin_cache.dtype != torch.float32
+        or cos_sin_cache.shape[1:] != (2, head_dim)
+        or not cos_sin_cache.is_contiguous()
+    ):
         return eager(positions, q, k, cos_sin_cache)
     out = q.new_empty(tokens, num_heads + num_kv_heads, head_dim)
     bad = library.nanovllm_rotary(
-        positions.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
-        cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], out.data_ptr(), tokens, num_heads,
-        num_kv_heads, head_dim, q.dtype == torch.bfloat16, torch.get_num_threads())
+        positions.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.shape[0],
+        out.data_ptr(),
+        tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        q.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
     if bad >= 0:
-        raise IndexError(f"position {int(positions[bad])} is outside the rotary cache "
-                         f"(max_position {cos_sin_cache.shape[0]})")
+        raise IndexError(
+            f"position {int(positions[bad])} is outside the rotary cache "
+            f"(max_position {cos_sin_cache.shape[0]})"
+        )
     return out.split_with_sizes((num_heads, num_kv_heads), dim=1)
 
 
@@ -108,23 +179,49 @@ def _heads_fit(x: torch.Tensor) -> bool:
     """A CPU tensor the C++ indexes: [tokens, hidden] or [tokens, heads, dim] whose token rows
     are a stride apart, each contiguous (q and k are views of the qkv projection's rows)."""
     strides = x.stride()
-    return (x.dtype in DTYPES and x.is_cpu and strides[-1] == 1
-            and (len(strides) == 2 or len(strides) == 3 and strides[1] == x.shape[2]))
+    return (
+        x.dtype in DTYPES
+        and x.is_cpu
+        and strides[-1] == 1
+        and (len(strides) == 2 or len(strides) == 3 and strides[1] == x.shape[2])
+    )
 
 
 def _rows_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Also not a lone row of PyTorch's grain size or more on several threads: PyTorch splits
     its sum over the threads (another order)."""
-    return (_heads_fit(x) and weight.dtype == x.dtype and weight.is_contiguous()
-            and weight.shape[0] == x.shape[-1] and weight.dim() == 1
-            and (x.shape[-1] < 32768 or x.numel() > x.shape[-1] or torch.get_num_threads() == 1))
+    return (
+        _heads_fit(x)
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and weight.shape[0] == x.shape[-1]
+        and weight.dim() == 1
+        and (x.shape[-1] < 32768 or x.numel() > x.shape[-1] or torch.get_num_threads() == 1)
+    )
 
 
-def _norm(library: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,
-          weight: torch.Tensor, out: torch.Tensor, total: torch.Tensor | None, eps: float) -> None:
+def _norm(
+    library: ctypes.CDLL,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    total: torch.Tensor | None,
+    eps: float,
+) -> None:
     shape = x.shape
     library.nanovllm_rms_norm(
-        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-        weight.data_ptr(), out.data_ptr(), None if total is None else total.data_ptr(),
-        shape[0], shape[1] if len(shape) == 3 else 1, shape[-1], eps, LANES,
-        x.dtype == torch.bfloat16, torch.get_num_threads())
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        None if total is None else total.data_ptr(),
+        shape[0],
+        shape[1] if len(shape) == 3 else 1,
+        shape[-1],
+        eps,
+        LANES,
+        x.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )

@@ -17,6 +17,7 @@ by that expert's weight, for both projections:
 The sort is torch with shapes fixed by num_tokens (no host sync), so a decode step can
 be captured in a CUDA graph. models/moe.py's fused_moe_torch is the reference.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -27,11 +28,26 @@ from nanovllm.layers.activation import silu_and_mul
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-    num_pairs, N, K, a_rows_per_pair,
-    stride_am, stride_be, stride_bn, stride_cm,   # a [rows, K]; b [E, N, K]; c [num_pairs, N]
-    MUL_WEIGHTS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    N,
+    K,
+    a_rows_per_pair,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,  # a [rows, K]; b [E, N, K]; c [num_pairs, N]
+    MUL_WEIGHTS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """c[p] = a[p // a_rows_per_pair] @ b[e].T (times weights[p]) for the BLOCK_M pairs p
     of this program's block, all of expert e; BLOCK_N output columns per program."""
@@ -47,10 +63,14 @@ def _grouped_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                    mask=valid[:, None] & (ks[None, :] < K), other=0.0)
-        b = tl.load(b_rows[None, :] + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
-                    other=0.0)                                        # [BLOCK_K, BLOCK_N]
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + ks[None, :],
+            mask=valid[:, None] & (ks[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_rows[None, :] + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0
+        )  # [BLOCK_K, BLOCK_N]
         if DOT_F32:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=PRECISION)
@@ -60,9 +80,14 @@ def _grouped_gemm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
-def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              block_m: int | None = None) -> torch.Tensor:
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_m: int | None = None,
+) -> torch.Tensor:
     """hidden_states [num_tokens, hidden]; w13 [E, 2 * I, hidden] (gate | up); w2
     [E, hidden, I]; topk_weights, topk_ids [num_tokens, top_k]. Returns [num_tokens,
     hidden]. Expert ids must lie in [0, E) (the router's invariant; not checked here, as
@@ -74,13 +99,15 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     block_m = block_m or (16 if num_tokens * top_k <= 512 else 64)
     sorted_ids, expert_ids = align_by_expert(topk_ids, w13.shape[0], block_m)
     gate_up = _grouped_gemm(hidden_states, w13, sorted_ids, expert_ids, top_k, None, block_m)
-    down = _grouped_gemm(silu_and_mul.eager(gate_up), w2, sorted_ids, expert_ids, 1,
-                         topk_weights, block_m)
+    down = _grouped_gemm(
+        silu_and_mul.eager(gate_up), w2, sorted_ids, expert_ids, 1, topk_weights, block_m
+    )
     return down.view(num_tokens, top_k, -1).sum(dim=1)
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids, expert_ids) as pictured above. Their lengths depend on the shape of
     topk_ids only: each expert that has pairs wastes fewer than block_m rows."""
     flat = topk_ids.flatten()
@@ -91,7 +118,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     padded_end = padded.cumsum(0)
     order = flat.argsort(stable=True)
     experts = flat[order]
-    rank_in_expert = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    rank_in_expert = (
+        torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    )
     length = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     length = -(-length // block_m) * block_m
     sorted_ids = torch.full((length,), num_pairs, dtype=torch.int64, device=flat.device)
@@ -101,27 +130,55 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, torch.where(expert_ids < num_experts, expert_ids, -1)
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
-                  expert_ids: torch.Tensor, a_rows_per_pair: int,
-                  topk_weights: torch.Tensor | None, block_m: int) -> torch.Tensor:
+def _grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    a_rows_per_pair: int,
+    topk_weights: torch.Tensor | None,
+    block_m: int,
+) -> torch.Tensor:
     """[num_pairs, N]: each pair's row of `a` times its expert's b [N, K]."""
     num_pairs = a.shape[0] * a_rows_per_pair
     N, K = b.shape[1], b.shape[2]
     c = torch.empty(num_pairs, N, dtype=a.dtype, device=a.device)
-    block_n, block_k = (min(64, max(16, triton.next_power_of_2(n))) for n in (N, K))  # tl.dot: >= 16
+    block_n, block_k = (
+        min(64, max(16, triton.next_power_of_2(n))) for n in (N, K)
+    )  # tl.dot: >= 16
     grid = (expert_ids.shape[0], triton.cdiv(N, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, c, topk_weights if topk_weights is not None else c, sorted_ids, expert_ids,
-        num_pairs, N, K, a_rows_per_pair, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        MUL_WEIGHTS=topk_weights is not None, DOT_F32=interpreted(),
+        a,
+        b,
+        c,
+        topk_weights if topk_weights is not None else c,
+        sorted_ids,
+        expert_ids,
+        num_pairs,
+        N,
+        K,
+        a_rows_per_pair,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        MUL_WEIGHTS=topk_weights is not None,
+        DOT_F32=interpreted(),
         PRECISION="ieee" if interpreted() or a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return c
 
 
-def check_moe_args(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+def check_moe_args(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
     """Our own layer's layouts, asserted (see kernels/layout.py)."""
     assert_rows("hidden_states", hidden_states, 2)
     num_tokens, hidden = hidden_states.shape
@@ -129,12 +186,15 @@ def check_moe_args(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         assert_rows(name, w, 3, like=hidden_states)
         assert w.stride(1) == w.shape[2], f"{name} must be contiguous in its last two dims"
     intermediate = w2.shape[2]
-    assert tuple(w13.shape) == (w2.shape[0], 2 * intermediate, hidden), \
+    assert tuple(w13.shape) == (w2.shape[0], 2 * intermediate, hidden), (
         f"w13's shape {tuple(w13.shape)} does not fit w2's {tuple(w2.shape)}"
+    )
     assert w2.shape[1] == hidden, f"w2's hidden size {w2.shape[1]} is not {hidden}"
     assert_index("topk_ids", topk_ids, 2, num_tokens, hidden_states.device)
     assert_rows("topk_weights", topk_weights, 2, like=hidden_states)
-    assert topk_weights.shape == topk_ids.shape, \
+    assert topk_weights.shape == topk_ids.shape, (
         f"topk_weights' shape {tuple(topk_weights.shape)} is not topk_ids'"
-    assert hidden_states.is_contiguous() and topk_weights.is_contiguous(), \
+    )
+    assert hidden_states.is_contiguous() and topk_weights.is_contiguous(), (
         "hidden_states and topk_weights must be contiguous"
+    )

@@ -3,6 +3,7 @@ runs them in order). Sampling is the exponential race: argmax(p / E), E ~ Exp(1)
 draws exactly from p; a seeded row's E is a hash of (its seed key, token id), the same on every
 device and in any batch. On a CPU an unseeded row is drawn by the inverse CDF instead, in
 C++ where it builds (cpu_sample.cpp)."""
+
 import ctypes
 import functools
 from pathlib import Path
@@ -13,9 +14,14 @@ from nanovllm.compilation import HotOp
 from nanovllm.kernels.cpu_build import load_library
 
 
-def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, in_prompt: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    in_prompt: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """vLLM's penalties on [P, vocab]: repetition (prompt and completion), presence, frequency
     ([P] each); output_counts [P, vocab] times in the completion, in_prompt [P, vocab] bool."""
     in_output = output_counts > 0
@@ -25,15 +31,16 @@ def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, in_prompt
     return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Set the logits that top-k, then top-p, filter out to -inf (ties with the k-th stay)."""
     if top_p is None:  # top-k alone needs only the max_top_k largest values, not a sort
-        values = logits.topk(max_top_k, dim=-1).values                     # [B, max_top_k]
+        values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k]
         kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
-        kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)   # rows keeping all
+        kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)  # rows keeping all
         return logits.masked_fill_(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1)                              # ascending
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:
         kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
@@ -71,21 +78,37 @@ def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
     if library is None:
         return inverse_cdf_index(torch.softmax(logits, dim=-1), u)
     logits, out = logits.contiguous(), torch.empty(len(logits), dtype=torch.int64)
-    library.nanovllm_sample(logits.data_ptr(), *logits.shape, u.data_ptr(), out.data_ptr(),
-                            torch.get_num_threads())
+    library.nanovllm_sample(
+        logits.data_ptr(), *logits.shape, u.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
 @functools.cache
 def native_sampler() -> ctypes.CDLL | None:
     """cpu_sample.cpp's library, built on first use; None (one warning) where it cannot be."""
-    library = load_library(Path(__file__).with_name("cpu_sample.cpp"),
-                           ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared",
-                            "-fPIC", "-std=c++17"),
-                           "the CPU samples through torch's softmax and a float64 cumsum")
+    library = load_library(
+        Path(__file__).with_name("cpu_sample.cpp"),
+        (
+            "-O3",
+            "-march=native",
+            "-fno-trapping-math",
+            "-fopenmp",
+            "-shared",
+            "-fPIC",
+            "-std=c++17",
+        ),
+        "the CPU samples through torch's softmax and a float64 cumsum",
+    )
     if library is not None:
-        library.nanovllm_sample.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+        library.nanovllm_sample.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        )
         library.nanovllm_sample.restype = None
     return library
 
@@ -115,7 +138,7 @@ def mix32(x):
 def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[S] keys -> [S, vocab] Exp(1) noise, the same on every device (integers up to the log)."""
     token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
-    bits = mix32(keys[:, None] ^ token_bits)                               # [S, vocab]
+    bits = mix32(keys[:, None] ^ token_bits)  # [S, vocab]
     # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32: 0 < -log(u) < inf.
-    u = ((bits >> 9) * 2 + 1).float().mul_(2.0 ** -24)
+    u = ((bits >> 9) * 2 + 1).float().mul_(2.0**-24)
     return u.log_().neg_()

@@ -2,6 +2,7 @@
 reference the Triton kernels are tested against, and the `torch` backend's compute. Prefill: one
 SDPA per sequence over its chunk and cached prefix. Decode: SDPA over a dense copy of the K/V
 rows in use, sequences in groups (decode_groups)."""
+
 from typing import NamedTuple
 
 import torch
@@ -10,8 +11,13 @@ import torch.nn.functional as F
 from nanovllm.utils import cdiv
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
@@ -19,9 +25,17 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, seqlens_q: list[int], seqlens_k: list[int],
-                      block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_q: list[int],
+    seqlens_k: list[int],
+    block_tables: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
     """block_tables None: no chunk has a cached prefix, keys are each chunk's own."""
     out = torch.empty_like(q)
     start = 0
@@ -37,8 +51,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     groups: list["DecodeGroup"], scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: list["DecodeGroup"],
+    scale: float,
+) -> torch.Tensor:
     """q [num_seqs, heads, dim], one query per sequence; `groups` from decode_groups()."""
     if groups[0].rows is None:
         return _decode_group(q, k_cache, v_cache, groups[0], scale)
@@ -48,8 +67,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor,
-                  block_size: int) -> list["DecodeGroup"]:
+def decode_groups(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> list["DecodeGroup"]:
     """A decode step's plan, the same for every layer. CPU: groups by context length, each
     padded to its own longest, small enough to stay in cache (several times faster than one
     padded batch of 128). Elsewhere one group of static shape: no host sync, capturable."""
@@ -60,8 +80,14 @@ def decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor,
     lens, order = lens.sort(descending=True)
     host_lens = lens.tolist()
     slots, valid = slot_matrix(block_tables.index_select(0, order), lens, host_lens[0], block_size)
-    return [DecodeGroup(order[i:i + n], slots[i:i + n, :host_lens[i]].contiguous(),
-                        valid[i:i + n, ..., :host_lens[i]]) for i in range(0, len(host_lens), n)]
+    return [
+        DecodeGroup(
+            order[i : i + n],
+            slots[i : i + n, : host_lens[i]].contiguous(),
+            valid[i : i + n, ..., : host_lens[i]],
+        )
+        for i in range(0, len(host_lens), n)
+    ]
 
 
 DECODE_GROUP_SIZE = 8
@@ -71,12 +97,13 @@ class DecodeGroup(NamedTuple):
     """Rows of the batch that decode in one attention call."""
 
     rows: torch.Tensor | None  # [n] their batch rows, longest context first; None: all, as is
-    slots: torch.Tensor        # [n, max_len] cache slot of each context token (padding: 0)
-    mask: torch.Tensor         # [n, 1, 1, max_len] True for real tokens
+    slots: torch.Tensor  # [n, max_len] cache slot of each context token (padding: 0)
+    mask: torch.Tensor  # [n, 1, 1, max_len] True for real tokens
 
 
-def slot_matrix(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int,
-                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_matrix(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache slots of each sequence's first max_len positions [n, max_len] (0 past its
     context), and which are real [n, 1, 1, max_len]."""
     pos = torch.arange(max_len, device=context_lens.device)
@@ -86,21 +113,27 @@ def slot_matrix(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len:
     return slots, valid[:, None, None, :]
 
 
-def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+) -> torch.Tensor:
     """q [n, heads, dim] -> [n, heads, dim], one query per sequence."""
     n, max_len = group.slots.shape
     # [n, num_kv_heads, max_len, head_dim]: a copy of only the rows in use (index_select,
     # not cache[slots]: several times faster on the CPU)
-    k, v = (cache.flatten(0, 1).index_select(0, group.slots.view(-1))
-            .view(n, max_len, *cache.shape[2:]).transpose(1, 2) for cache in (k_cache, v_cache))
+    k, v = (
+        cache.flatten(0, 1)
+        .index_select(0, group.slots.view(-1))
+        .view(n, max_len, *cache.shape[2:])
+        .transpose(1, 2)
+        for cache in (k_cache, v_cache)
+    )
     return _sdpa_gqa(q.unsqueeze(2), k, v, group.mask, scale).squeeze(2)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens' rows of one sequence: [length, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    blocks = block_table[:cdiv(length, block_size)].long()
+    blocks = block_table[: cdiv(length, block_size)].long()
     return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
@@ -112,12 +145,21 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
     if len_q == len_k:
         return _sdpa_gqa(q, k, v, None, scale, is_causal=True).transpose(0, 1)
     offset = len_k - len_q
-    mask = (torch.arange(len_k, device=q.device)[None, :]
-            <= torch.arange(offset, len_k, device=q.device)[:, None])
+    mask = (
+        torch.arange(len_k, device=q.device)[None, :]
+        <= torch.arange(offset, len_k, device=q.device)[:, None]
+    )
     return _sdpa_gqa(q, k, v, mask, scale).transpose(0, 1)
 
 
 def _sdpa_gqa(q, k, v, mask, scale, is_causal=False):
     """scaled_dot_product_attention where k/v may have fewer heads than q (GQA/MQA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                          scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=q.shape[-3] != k.shape[-3],
+    )

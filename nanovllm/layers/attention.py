@@ -1,4 +1,5 @@
 """The attention layer: stores the step's new K/V in its cache, attends through the backend."""
+
 import torch
 from torch import nn
 
@@ -25,6 +26,7 @@ class Attention(nn.Module):
             decoded = self.backend.decode(q[:n], self.k_cache, self.v_cache, ctx.decode, self.scale)
             if ctx.prefill is None:
                 return decoded
-        prefilled = self.backend.prefill(q[n:], k[n:], v[n:], self.k_cache, self.v_cache,
-                                         ctx.prefill, self.scale)
+        prefilled = self.backend.prefill(
+            q[n:], k[n:], v[n:], self.k_cache, self.v_cache, ctx.prefill, self.scale
+        )
         return prefilled if ctx.decode is None else torch.cat((decoded, prefilled))

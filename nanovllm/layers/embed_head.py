@@ -1,11 +1,12 @@
 """Vocabulary-parallel embedding and LM head: each rank holds vocab/N rows."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention.metadata import get_context
-from nanovllm.layers.linear import ColumnParallelLinear, divide, linear
 from nanovllm.distributed.group import get_tp_group
+from nanovllm.layers.linear import ColumnParallelLinear, divide, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -32,6 +33,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of the rows the step asks for (logits_indices), gathered on rank 0, which samples."""
+
     packed: torch.Tensor | None = None  # pack_linear_weights' copy, on a CPU
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ parameter's `weight_loader(param, loaded, shard_id=None)` copies its shard of th
     RowParallelLinear      W split by input columns; partial sums are all-reduced
     Merged/QKV variants    several checkpoint tensors packed into one column-parallel W
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,16 +22,19 @@ def divide(numerator: int, denominator: int) -> int:
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     """Copy `loaded` into `param` (or a view of it), refusing another shape."""
     if param.shape != loaded.shape:
-        raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
-                         f"{tuple(param.shape)}")
+        raise ValueError(
+            f"shape {tuple(loaded.shape)} does not match the expected {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
 def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) -> torch.Tensor:
     """The rank's shard_size rows (dim 0) or columns (dim 1) of a checkpoint tensor."""
     if loaded.dim() <= dim or loaded.shape[dim] != shard_size * group.size:
-        raise ValueError(f"shape {tuple(loaded.shape)} does not have the expected "
-                         f"{shard_size * group.size} {('rows', 'columns')[dim]}")
+        raise ValueError(
+            f"shape {tuple(loaded.shape)} does not have the expected "
+            f"{shard_size * group.size} {('rows', 'columns')[dim]}"
+        )
     return loaded.narrow(dim, group.rank * shard_size, shard_size)
 
 
@@ -43,8 +47,12 @@ PACKED_MAX_ROWS = 256
 PACKED_MIN_WEIGHT = 2**16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """F.linear; on a CPU through `packed` (pack_linear_weights) for a few rows."""
     if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -59,8 +67,11 @@ def pack_linear_weights(model: nn.Module, undo: bool = False) -> int:
     for module in model.modules():
         if hasattr(module, "packed"):  # LinearBase and ParallelLMHead
             pack = not undo and module.weight.numel() >= PACKED_MIN_WEIGHT
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(
-                module.weight.detach(), None) if pack else None
+            module.packed = (
+                torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+                if pack
+                else None
+            )
             packed += pack
     return packed
 
@@ -110,15 +121,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        default_weight_loader(param.data.narrow(0, offset, size),
-                              rank_slice(loaded, 0, size, self.tp_group))
+        default_weight_loader(
+            param.data.narrow(0, offset, size), rank_slice(loaded, 0, size, self.tp_group)
+        )
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q | k | v projections in one matrix (shard ids "q", "k", "v"); each rank has its heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ):
         tp_size = get_tp_group().size
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)

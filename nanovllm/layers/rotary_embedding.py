@@ -1,6 +1,7 @@
 """Rotary position embedding ("rotate half", as Qwen, Llama and Mistral): inv_freq[i] =
 rope_theta ** (-2i / head_dim), or Llama 3.1's scaling of it (`llama3`). Layers with the same
 RoPE share one [max_position, 2, head_dim] cos/sin cache (Qwen3's: 40 MiB)."""
+
 import json
 import math
 import weakref
@@ -10,8 +11,7 @@ from torch import nn
 
 from nanovllm.kernels import cpu_ops
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # (head_dim, max_position, parameters, device) -> the cos/sin cache layers of it share; a
 # cache lives as long as a model holds it.
 _CACHES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
@@ -24,15 +24,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self._fn = apply_rotary_emb.select()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; q, k [num_tokens, heads or kv_heads, head_dim]."""
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
 @cpu_ops.hot_op(native=cpu_ops.apply_rotary_emb)
-def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_emb(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k as one: x * (cos | cos) + (x2 | x1) * (-sin | sin), rounded as transformers'."""
     cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(2).unbind(1)  # [n, 1, head_dim]
     x = torch.cat((q, k), dim=1)
@@ -45,17 +47,24 @@ def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryE
     """A layer's RoPE; an unsupported rope_type or a missing parameter is a ValueError."""
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type not in _INV_FREQ:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: "
-                         f"{', '.join(map(repr, _INV_FREQ))}")
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: "
+            f"{', '.join(map(repr, _INV_FREQ))}"
+        )
     partial = rope_parameters.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported; only 1.0 is")
     missing = [name for name in _LLAMA3_KEYS if name not in rope_parameters]
     if rope_type == "llama3" and missing:
-        raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling "
-                         f"(rope_parameters)")
-    key = (head_dim, max_position, json.dumps(rope_parameters, sort_keys=True, default=str),
-           str(torch.get_default_device()))
+        raise ValueError(
+            f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling (rope_parameters)"
+        )
+    key = (
+        head_dim,
+        max_position,
+        json.dumps(rope_parameters, sort_keys=True, default=str),
+        str(torch.get_default_device()),
+    )
     if (cache := _CACHES.get(key)) is None:
         inv_freq = _INV_FREQ[rope_type](head_dim, rope_parameters)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]

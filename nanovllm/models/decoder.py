@@ -15,25 +15,25 @@ A family is a subclass of DecoderForCausalLM that says its flags (and, for MoE, 
 layers get which MLP). Options none of them implements are refused by name when the
 model is built, before any weight is loaded.
 """
+
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.models.hf_config import rope_parameters
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import get_rope
+from nanovllm.models.hf_config import rope_parameters
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderFlags:
-    qk_norm: bool = False       # RMSNorm over each head's q and k, before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head's q and k, before RoPE (Qwen3)
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
@@ -42,19 +42,29 @@ class DecoderFlags:
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, flags: DecoderFlags):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=flags.qkv_bias)
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=flags.qkv_bias,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=flags.o_proj_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=flags.o_proj_bias
+        )
         if flags.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.qk_norm = flags.qk_norm
-        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, rope_parameters(config))
-        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
+        self.rotary_emb = get_rope(
+            head_dim, config.max_position_embeddings, rope_parameters(config)
+        )
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -73,8 +83,9 @@ class DecoderMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
-                                                       bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
@@ -90,8 +101,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -157,7 +169,8 @@ def check_supported(config: PretrainedConfig) -> None:
     """What no family here implements, refused by name (RoPE types: get_rope; a sliding
     window narrower than max_model_len: Config)."""
     if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' "
-                         f"(SwiGLU) is")
+        raise ValueError(
+            f"hidden_act {config.hidden_act!r} is not supported; only 'silu' (SwiGLU) is"
+        )
     if getattr(config, "quantization_config", None):
         raise ValueError("quantization_config is set: quantized checkpoints are not supported")

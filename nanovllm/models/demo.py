@@ -7,6 +7,7 @@
 - weightless checkpoints (config.json + a placeholder tokenizer) of a real shape such as
   Qwen3-0.6B, for benchmarks that run `load_format="dummy"` (random weights).
 """
+
 import json
 import os
 import shutil
@@ -17,20 +18,38 @@ DEMO_DIR = Path(os.path.expanduser("~/.cache/nanovllm/qwen3-tiny-demo-v1"))
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CORPUS_FILES = ("argparse.py", "textwrap.py", "random.py", "string.py", "os.py", "dataclasses.py")
 
 # Qwen/Qwen3-0.6B's config.json.
 QWEN3_0_6B_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
-    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -44,12 +63,19 @@ def build_tokenizer(path: str | Path, vocab_size: int = 512) -> int:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
-                                      pad_token="<|endoftext|>", chat_template=_CHAT_TEMPLATE)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=_CHAT_TEMPLATE,
+    )
     wrapped.save_pretrained(str(path))
     return tokenizer.get_vocab_size()
 
@@ -71,14 +97,25 @@ def write_weightless_checkpoint(path: str | Path, config: dict = QWEN3_0_6B_CONF
     return path
 
 
-def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2,
-                     num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                     intermediate_size: int = 128, tie_word_embeddings: bool = False,
-                     attention_bias: bool = False, max_position_embeddings: int = 1024,
-                     initializer_range: float = 0.08,
-                     layer_initializer_range: float | None = None, rope_theta: float = 10000.0,
-                     rms_norm_eps: float = 1e-6, config_style: str = "transformers5",
-                     seed: int = 0) -> Path:
+def build_tiny_qwen3(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    attention_bias: bool = False,
+    max_position_embeddings: int = 1024,
+    initializer_range: float = 0.08,
+    layer_initializer_range: float | None = None,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+    config_style: str = "transformers5",
+    seed: int = 0,
+) -> Path:
     """Write a random Qwen3 checkpoint with a tokenizer to `path` and return it.
 
     Weight matrices are N(0, initializer_range); `layer_initializer_range`, if given, is
@@ -96,13 +133,23 @@ def build_tiny_qwen3(path: str | Path, *, hidden_size: int = 64, num_layers: int
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = build_tokenizer(path)
     config = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
-        tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
-        rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
-        eos_token_id=_eos_token_id(path), bos_token_id=None, pad_token_id=None)
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=attention_bias,
+        rope_theta=rope_theta,
+        rms_norm_eps=rms_norm_eps,
+        eos_token_id=_eos_token_id(path),
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).float()
     _perturb(model, layer_initializer_range)

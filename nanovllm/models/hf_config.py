@@ -1,12 +1,18 @@
 """A checkpoint's config.json read the same in both transformers styles (4: `torch_dtype`,
 `rope_theta` + `rope_scaling`; 5: `dtype`, `rope_parameters`), and what of it our models can
 run: checked by Config before any process is spawned or layer is built."""
+
 from transformers import PretrainedConfig
 
 # What tensor parallelism shards: attention heads, MLP columns (each expert's, in MoE),
 # vocabulary rows.
-_SHARDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                 "moe_intermediate_size", "vocab_size")
+_SHARDED_DIMS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "vocab_size",
+)
 
 
 def checkpoint_dtype(hf_config: PretrainedConfig) -> str:
@@ -33,12 +39,19 @@ def check_supported(hf_config: PretrainedConfig, tp_size: int, max_model_len: in
     for name, value in dims.items():
         if value % tp_size:
             fitting = [n for n in range(1, 9) if all(v % n == 0 for v in dims.values())]
-            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's "
-                             f"{name} ({value}); this model can use tensor_parallel_size "
-                             f"{', '.join(map(str, fitting))}")
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide the model's "
+                f"{name} ({value}); this model can use tensor_parallel_size "
+                f"{', '.join(map(str, fitting))}"
+            )
     window = getattr(hf_config, "sliding_window", None)
-    if window is not None and getattr(hf_config, "use_sliding_window", True) \
-            and window < max_model_len:
-        raise ValueError(f"sliding_window ({window}) is smaller than max_model_len "
-                         f"({max_model_len}) and sliding-window attention is not supported; "
-                         f"pass max_model_len={window} or less")
+    if (
+        window is not None
+        and getattr(hf_config, "use_sliding_window", True)
+        and window < max_model_len
+    ):
+        raise ValueError(
+            f"sliding_window ({window}) is smaller than max_model_len "
+            f"({max_model_len}) and sliding-window attention is not supported; "
+            f"pass max_model_len={window} or less"
+        )

@@ -11,6 +11,7 @@ Checkpoint names map onto parameter names through the model's mappings:
     expert_params_mapping   (experts.w13_, experts.7.up_proj., (7, "w3")): one tensor per
                             expert and projection, one parameter for all experts (MoE)
 """
+
 import glob
 import json
 import os
@@ -49,8 +50,12 @@ def load_model(model: nn.Module, path: str) -> None:
 
 def expected_tensors(model: nn.Module, params: dict) -> dict[str, tuple[str, object]]:
     """Checkpoint tensor name -> (parameter name, shard id) for everything the model needs."""
-    packed = [(param_part, checkpoint_part, shard_id) for checkpoint_part, (param_part, shard_id)
-              in getattr(model, "packed_modules_mapping", {}).items()]
+    packed = [
+        (param_part, checkpoint_part, shard_id)
+        for checkpoint_part, (param_part, shard_id) in getattr(
+            model, "packed_modules_mapping", {}
+        ).items()
+    ]
     experts = getattr(model, "expert_params_mapping", [])
     expected = {}
     for param_name in params:
@@ -64,8 +69,11 @@ def expected_tensors(model: nn.Module, params: dict) -> dict[str, tuple[str, obj
 
 def _rewrites(param_name: str, mappings: list, pattern: str) -> list[tuple[str, str, object]]:
     """The mappings whose parameter part (dotted as `pattern` says) is in param_name."""
-    return [(pattern.format(p), pattern.format(c), s) for p, c, s in mappings
-            if pattern.format(p) in param_name]
+    return [
+        (pattern.format(p), pattern.format(c), s)
+        for p, c, s in mappings
+        if pattern.format(p) in param_name
+    ]
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -79,13 +87,15 @@ def checkpoint_files(path: str) -> list[str]:
         files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
         absent = [os.path.basename(file) for file in files if not os.path.isfile(file)]
         if absent:
-            raise ValueError(f"{INDEX_FILE} in {path!r} lists file(s) that are missing: "
-                             f"{', '.join(absent)}")
+            raise ValueError(
+                f"{INDEX_FILE} in {path!r} lists file(s) that are missing: {', '.join(absent)}"
+            )
         return files
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ValueError(f"no *.safetensors files in {path!r}; use load_format='dummy' for "
-                         "random weights")
+        raise ValueError(
+            f"no *.safetensors files in {path!r}; use load_format='dummy' for random weights"
+        )
     return files
 
 
@@ -100,15 +110,20 @@ def _checkpoint_tensors(path: str) -> dict[str, str]:
 
 def _check_names(model: nn.Module, path: str, expected: dict, found: dict) -> None:
     """Before a tensor is read: every missing and every extra tensor, by name."""
-    extra = sorted(name for name in found.keys() - expected.keys()
-                   if not (name == "lm_head.weight" and _is_tied(model)))  # stored twice: fine
+    extra = sorted(
+        name
+        for name in found.keys() - expected.keys()
+        if not (name == "lm_head.weight" and _is_tied(model))
+    )  # stored twice: fine
     missing = sorted(expected.keys() - found.keys())
     problems = []
     if missing:
         problems.append(f"checkpoint {path!r} lacks tensor(s): {', '.join(missing)}")
     if extra:
-        problems.append(f"checkpoint tensor(s) {', '.join(map(repr, extra))} match no "
-                        f"parameter of {type(model).__name__}")
+        problems.append(
+            f"checkpoint tensor(s) {', '.join(map(repr, extra))} match no "
+            f"parameter of {type(model).__name__}"
+        )
     if problems:
         raise ValueError("\n".join(problems))
 

@@ -8,17 +8,19 @@
 
 TP shards every expert's intermediate dim: a partial sum per rank, all-reduced once per layer;
 the router is replicated. On CUDA: the Triton grouped GEMM (kernels/fused_moe.py), capturable."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.distributed.group import get_tp_group
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import default_weight_loader, divide, rank_slice
-from nanovllm.distributed.group import get_tp_group
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[num_tokens, num_experts] -> (weights, ids) [num_tokens, top_k], as transformers casts."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     topk_weights, topk_ids = probs.topk(top_k, dim=-1)
@@ -27,13 +29,18 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return topk_weights.to(router_logits.dtype), topk_ids
 
 
-def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_torch(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """The reference: hidden_states [num_tokens, hidden]; w13 [E, 2 * I, hidden]; w2 [E, hidden,
     I]; topk_* [num_tokens, top_k] -> [num_tokens, hidden], expert by expert as transformers."""
     top_k = topk_ids.shape[1]
-    flat_ids = topk_ids.flatten()                   # pair p = token * top_k + slot
-    order = flat_ids.argsort(stable=True)           # pairs grouped by expert
+    flat_ids = topk_ids.flatten()  # pair p = token * top_k + slot
+    order = flat_ids.argsort(stable=True)  # pairs grouped by expert
     tokens, weights = order // top_k, topk_weights.flatten()[order]
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
     out = torch.zeros_like(hidden_states)
@@ -52,13 +59,22 @@ def expert_params_mapping(num_experts: int) -> list[tuple[str, str, tuple[int, s
     """(parameter part, checkpoint part, shard id) for the loader, as vLLM's: the
     checkpoint's `mlp.experts.7.up_proj.weight` is shard (7, "w3") of `mlp.experts.w13_weight`."""
     projections = (("gate_proj", "w13", "w1"), ("up_proj", "w13", "w3"), ("down_proj", "w2", "w2"))
-    return [(f"experts.{param}_", f"experts.{expert}.{projection}.", (expert, shard))
-            for expert in range(num_experts) for projection, param, shard in projections]
+    return [
+        (f"experts.{param}_", f"experts.{expert}.{projection}.", (expert, shard))
+        for expert in range(num_experts)
+        for projection, param, shard in projections
+    ]
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+    ):
         super().__init__()
         self.tp_group = get_tp_group()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -69,10 +85,12 @@ class FusedMoE(nn.Module):
         self._experts = fused_moe_torch
         if torch.get_default_device().type == "cuda":  # imports triton only then
             from nanovllm.kernels.fused_moe import fused_moe
+
             self._experts = fused_moe
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: tuple[int, str]) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]
+    ) -> None:
         """This rank's slice of one expert's whole gate ("w1"), up ("w3") or down ("w2") proj."""
         expert, name = shard_id
         shard = self.w2_weight.shape[2]

@@ -1,5 +1,6 @@
 """Qwen2 and Qwen2.5, as Hugging Face's Qwen2ForCausalLM: the shared decoder with biases
 on q, k and v (not on o_proj) and no q/k norm."""
+
 from transformers import PretrainedConfig
 
 from nanovllm.models.decoder import DecoderFlags, DecoderForCausalLM

@@ -1,5 +1,6 @@
 """Qwen3 (dense), as Hugging Face's Qwen3ForCausalLM: the shared decoder with an RMSNorm
 over each head's q and k before RoPE, and biases where attention_bias says."""
+
 from transformers import PretrainedConfig
 
 from nanovllm.models.decoder import DecoderFlags, DecoderForCausalLM

@@ -1,4 +1,5 @@
 """config.json's `architectures[0]` -> the model class that implements it."""
+
 from torch import nn
 from transformers import PretrainedConfig
 

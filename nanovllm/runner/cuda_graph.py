@@ -9,6 +9,7 @@ from static buffers whose rows n.. are padding:
     block_tables    the batch's, -1 past its width -1
 
 The block-table buffer holds max_model_len + 1 tokens' blocks (nano-vLLM issue #106)."""
+
 from bisect import bisect_left
 
 import torch
@@ -37,8 +38,16 @@ class CUDAGraphRunner:
     """The decode graphs of one model, their memory pool and the static buffers they read
     and write (rows: the largest batch; every row padding until a batch is loaded)."""
 
-    def __init__(self, model: nn.Module, hidden_size: int, max_num_seqs: int,
-                 max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        hidden_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.model = model
         self.device = device
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
@@ -57,8 +66,9 @@ class CUDAGraphRunner:
         decode = AttentionMetadata(self.block_tables[:size], context_lens=self.context_lens[:size])
         return ForwardContext(self.slot_mapping[:size], decode=decode, num_decode_tokens=size)
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-             size: int) -> None:
+    def load(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, size: int
+    ) -> None:
         """Copy a decode batch of n <= size rows in; rows n .. size-1 become padding."""
         n, width = ctx.decode.block_tables.shape
         assert n <= size and width <= self.block_tables.shape[1], "batch exceeds the buffers"
@@ -100,15 +110,18 @@ class CUDAGraphRunner:
                 with torch.cuda.graph(graph, pool=self.pool):
                     self._forward(size)
             except RuntimeError as e:
-                raise RuntimeError(f"capturing the decode CUDA graph of batch size {size} failed "
-                                   f"({e}); enforce_eager=True runs without graphs") from e
+                raise RuntimeError(
+                    f"capturing the decode CUDA graph of batch size {size} failed "
+                    f"({e}); enforce_eager=True runs without graphs"
+                ) from e
         return graph
 
     def _forward(self, size: int) -> None:
         self.outputs[:size] = self.model(self.input_ids[:size], self.positions[:size])
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            ctx: ForwardContext) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """Hidden states [n, hidden_size]: a view of the output buffer, valid until a replay."""
         n = input_ids.shape[0]
         size = self.batch_sizes[bisect_left(self.batch_sizes, n)]

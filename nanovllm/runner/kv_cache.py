@@ -1,7 +1,8 @@
 """The KV cache: its shape, how many blocks fit (README, "CUDA", says why), its binding.
 
-    kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (K, V)
+kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (K, V)
 """
+
 from typing import NamedTuple
 
 import torch
@@ -11,10 +12,11 @@ from nanovllm.layers.attention import Attention
 
 class MemoryProfile(NamedTuple):
     """Device memory in bytes, as kv_cache_budget reads it."""
-    total: int       # the device's
-    free: int        # free on the device now (all processes)
-    peak: int        # this process's peak use
-    current: int     # this process's use now
+
+    total: int  # the device's
+    free: int  # free on the device now (all processes)
+    peak: int  # this process's peak use
+    current: int  # this process's use now
     graph_pool: int  # still to come: the CUDA graphs' pool (0 without graphs)
 
 
@@ -39,8 +41,10 @@ def untracked_cuda_memory(device: torch.device) -> int:
 def num_blocks_within(budget: int, bytes_per_block: int, hint: str) -> int:
     """Whole blocks in `budget` bytes; a ValueError ending in `hint` when not even one fits."""
     if budget < bytes_per_block:
-        raise ValueError(f"no memory is left for even one KV-cache block ({bytes_per_block} "
-                         f"bytes; {budget} bytes left); {hint}")
+        raise ValueError(
+            f"no memory is left for even one KV-cache block ({bytes_per_block} "
+            f"bytes; {budget} bytes left); {hint}"
+        )
     return budget // bytes_per_block
 
 

@@ -2,6 +2,7 @@
 (step_inputs.py) and samples. With tensor parallelism one per rank; rank 0 drives each step
 with `call("forward", inputs)` (the step's host-built tensors; workers never see a Sequence)
 and alone samples."""
+
 import logging
 import math
 import weakref
@@ -10,22 +11,34 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
-from nanovllm.core.sequence import PENDING, Sequence
 from nanovllm.attention import ForwardContext, attention_context, select_backend
 from nanovllm.compilation import compile_scope
+from nanovllm.config import Config
+from nanovllm.core.sequence import PENDING, Sequence
 from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.distributed.launch import engine_store, join_replica_tp_group, torchrun_launch
 from nanovllm.distributed.workers import WorkerGroup, connect_worker
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.linear import pack_linear_weights
+from nanovllm.models.loader import load_dummy_weights, load_model
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.cuda_graph import CUDAGraphRunner, block_table_width, use_cuda_graphs
-from nanovllm.runner.device import (keep_freed_host_memory, list_to_device,
-                                    physical_memory, resolve_device, resolve_dtype, to_device)
-from nanovllm.runner.kv_cache import (MemoryProfile, bind_kv_cache, kv_cache_budget,
-                                      kv_cache_shape, num_blocks_within, untracked_cuda_memory)
-from nanovllm.models.loader import load_dummy_weights, load_model
+from nanovllm.runner.device import (
+    keep_freed_host_memory,
+    list_to_device,
+    physical_memory,
+    resolve_device,
+    resolve_dtype,
+    to_device,
+)
+from nanovllm.runner.kv_cache import (
+    MemoryProfile,
+    bind_kv_cache,
+    kv_cache_budget,
+    kv_cache_shape,
+    num_blocks_within,
+    untracked_cuda_memory,
+)
 from nanovllm.runner.step_inputs import StepInputs, logits_rows, on_device, prepare_inputs
 from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
 from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
@@ -35,7 +48,7 @@ from nanovllm.sampling_params import SamplingParams
 
 class SamplerOutput(NamedTuple):
     token_ids: torch.Tensor | list[int]  # [num_seqs]; run() returns them as a list
-    logprobs: list[dict | None] | None = None        # per sequence: its sampled token's entry
+    logprobs: list[dict | None] | None = None  # per sequence: its sampled token's entry
     prompt_logprobs: list[list[dict]] | None = None  # per sequence: its new prompt entries
 
 
@@ -50,12 +63,17 @@ class ModelRunner:
         self.launch = torchrun_launch(config.tensor_parallel_size, config.data_parallel_size)
         self.rank = rank if self.launch is None else self.launch.tp_rank
         self.block_size = config.kvcache_block_size
-        self.device = resolve_device(config.device, self.launch, self.rank,
-                                     config.tensor_parallel_size)
+        self.device = resolve_device(
+            config.device, self.launch, self.rank, config.tensor_parallel_size
+        )
         if self.device.type == "cpu":
             keep_freed_host_memory()
-        self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device,
-                                   self._float32_bytes() if self.device.type == "cpu" else 0)
+        self.dtype = resolve_dtype(
+            config.dtype,
+            config.hf_config,
+            self.device,
+            self._float32_bytes() if self.device.type == "cpu" else 0,
+        )
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.workers: WorkerGroup | None = None  # rank 0's handle on ranks 1..N-1
         self.tp_group = self._init_tensor_parallel(port)
@@ -76,8 +94,14 @@ class ModelRunner:
         self.graph_runner = None
         if use_cuda_graphs(self.device, config.enforce_eager, self.backend.name):
             self.graph_runner = CUDAGraphRunner(
-                self.model, config.hf_config.hidden_size, config.max_num_seqs,
-                config.max_model_len, self.block_size, self.dtype, self.device)
+                self.model,
+                config.hf_config.hidden_size,
+                config.max_num_seqs,
+                config.max_model_len,
+                self.block_size,
+                self.dtype,
+                self.device,
+            )
         if is_cuda and config.num_kvcache_blocks > 0:
             self.warmup()  # nothing to size, but kernels compile now rather than in a step
         self.num_kvcache_blocks = self.allocate_kv_cache()
@@ -90,8 +114,9 @@ class ModelRunner:
         if self.config.tensor_parallel_size == 1 and self.launch is None:
             return SINGLE_RANK
         if not dist.is_available():
-            raise ValueError("tensor_parallel_size > 1 needs torch.distributed, which this "
-                             "PyTorch build lacks")
+            raise ValueError(
+                "tensor_parallel_size > 1 needs torch.distributed, which this PyTorch build lacks"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.launch is not None:
@@ -128,16 +153,21 @@ class ModelRunner:
         the copies of every rank fit in a quarter of the RAM; else, or where oneDNN cannot
         pack this dtype, MKL's F.linear alone."""
         copies = self.config.tensor_parallel_size * sum(  # at most: norms are not copied
-            p.numel() * p.element_size() for p in self.model.parameters())
+            p.numel() * p.element_size() for p in self.model.parameters()
+        )
         if not torch.backends.mkldnn.is_available():
             choice = "F.linear only (oneDNN is unavailable)"
         elif copies > physical_memory() // 4:
-            choice = (f"F.linear only ({copies / 2**30:.1f} GiB of copies would exceed a quarter "
-                      "of the RAM)")
+            choice = (
+                f"F.linear only ({copies / 2**30:.1f} GiB of copies would exceed a quarter "
+                "of the RAM)"
+            )
         else:
             try:
-                choice = (f"oneDNN-packed weights for {pack_linear_weights(self.model)} layers "
-                          "(smaller ones: F.linear)")
+                choice = (
+                    f"oneDNN-packed weights for {pack_linear_weights(self.model)} layers "
+                    "(smaller ones: F.linear)"
+                )
             except RuntimeError as e:  # e.g. bfloat16 without avx512 / avx_ne_convert
                 choice = f"F.linear only ({str(e).splitlines()[0]})"
                 pack_linear_weights(self.model, undo=True)
@@ -155,8 +185,11 @@ class ModelRunner:
         return num_blocks
 
     def _new_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        return torch.zeros(kv_cache_shape(self.attention_layers, num_blocks, self.block_size),
-                           dtype=self.dtype, device=self.device)
+        return torch.zeros(
+            kv_cache_shape(self.attention_layers, num_blocks, self.block_size),
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def _blocks_that_fit(self) -> int:
         """Blocks within the memory budget, at most what max_num_seqs full-length sequences use."""
@@ -211,12 +244,25 @@ class ModelRunner:
         the compiled sampler compiles (static, dynamic, size 1) now, not in a run."""
         rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         vocab_size = self.config.hf_config.vocab_size
-        everything = SamplingParams(top_k=max(1, vocab_size // 2), top_p=0.9, min_p=0.01, seed=0,
-                                    min_tokens=1, stop_token_ids=[0], repetition_penalty=1.1,
-                                    presence_penalty=0.1, frequency_penalty=0.1, logit_bias={0: 1})
+        everything = SamplingParams(
+            top_k=max(1, vocab_size // 2),
+            top_p=0.9,
+            min_p=0.01,
+            seed=0,
+            min_tokens=1,
+            stop_token_ids=[0],
+            repetition_penalty=1.1,
+            presence_penalty=0.1,
+            frequency_penalty=0.1,
+            logit_bias={0: 1},
+        )
         plain = SamplingParams()
-        for params, num_rows in ((everything, rows), (plain, rows), (plain, max(1, rows - 1)),
-                                 (plain, 1)):
+        for params, num_rows in (
+            (everything, rows),
+            (plain, rows),
+            (plain, max(1, rows - 1)),
+            (plain, 1),
+        ):
             seqs = [Sequence([0], params, self.block_size) for _ in range(num_rows)]
             counts = TokenCounts(vocab_size, self.device)  # dropped after: the worst case
             metadata = build_sampling_metadata(seqs, vocab_size, counts, self.device)
@@ -245,8 +291,11 @@ class ModelRunner:
         through call()): the sampled ids [len(seqs)] on rank 0."""
         feed = None  # async scheduling: rows whose input is the step in flight's sampled id
         if self.config.async_scheduling:
-            feed = [(row, self.sampled[1][seq.seq_id])
-                    for row, seq in enumerate(seqs) if seq.last_token == PENDING] or None
+            feed = [
+                (row, self.sampled[1][seq.seq_id])
+                for row, seq in enumerate(seqs)
+                if seq.last_token == PENDING
+            ] or None
         logits = self.call("forward", prepare_inputs(seqs, self.block_size), feed)
         if self.rank != 0:
             return None
@@ -256,8 +305,9 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, feed: list[tuple[int, int]] | None = None
-                ) -> torch.Tensor | None:
+    def forward(
+        self, inputs: StepInputs, feed: list[tuple[int, int]] | None = None
+    ) -> torch.Tensor | None:
         """Every rank: host-built inputs onto the device, `feed`'s (row, row of the step
         before) inputs taken there from its sampled ids (no host round trip), the model."""
         input_ids, positions, ctx = on_device(inputs, self.device)
@@ -266,8 +316,9 @@ class ModelRunner:
             input_ids[rows] = self.sampled[0][previous_rows]
         return self._forward(input_ids, positions, ctx)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 ctx: ForwardContext) -> torch.Tensor | None:
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor | None:
         """Logits of each sequence's last row; a pure decode step replays a CUDA graph."""
         graphs = self.graph_runner
         with attention_context(ctx):
@@ -286,8 +337,9 @@ class ModelRunner:
             logits = logits[to_device(torch.tensor(rows).cumsum(0) - 1, self.device)]
         metadata = build_sampling_metadata(seqs, logits.shape[-1], self.token_counts, self.device)
         token_ids = self.sampler(logits, metadata)
-        return SamplerOutput(token_ids, *(collect_logprobs(asked, raw, token_ids, len(seqs))
-                                          if asked else ()))
+        return SamplerOutput(
+            token_ids, *(collect_logprobs(asked, raw, token_ids, len(seqs)) if asked else ())
+        )
 
     def close(self) -> None:
         """Free the graphs and the KV cache; rank 0 stops its workers, a worker leaves the group."""

@@ -1,11 +1,13 @@
 """A scheduled batch (decode rows first) -> the model's inputs and the step's ForwardContext,
-built on the host (what rank 0 sends tensor-parallel workers), then on_device(). A sequence computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V
-goes to its slot (block_size 4):
+built on the host (what rank 0 sends tensor-parallel workers), then on_device(). A sequence
+computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V goes to its
+slot (block_size 4):
 
     block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
     positions     0  1  2  3 | 4  5
     slots        28 29 30 31 | 8  9
 """
+
 from dataclasses import fields, replace
 from typing import NamedTuple
 
@@ -36,31 +38,45 @@ def prepare_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
     block_tables = _block_tables(seqs)
     positions_np = np.array(positions, dtype=np.int64)
     rows = np.repeat(np.arange(len(seqs)), lens_q) if prefill else np.arange(len(seqs))
-    slots = block_tables[rows, positions_np // block_size].astype(np.int64) * block_size \
+    slots = (
+        block_tables[rows, positions_np // block_size].astype(np.int64) * block_size
         + positions_np % block_size
+    )
     ctx = ForwardContext(torch.from_numpy(slots), num_decode_tokens=num_decode)
     if decode:
         lens = (positions_np[:num_decode] + 1).astype(np.int32)
-        ctx.decode = AttentionMetadata(torch.from_numpy(block_tables[:num_decode]),
-                                       context_lens=torch.from_numpy(lens))
+        ctx.decode = AttentionMetadata(
+            torch.from_numpy(block_tables[:num_decode]), context_lens=torch.from_numpy(lens)
+        )
     if prefill:
         ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:])
         ctx.logits_indices = _logits_indices(seqs, lens_q)
-    return StepInputs(torch.from_numpy(np.array(input_ids, dtype=np.int64)),
-                      torch.from_numpy(positions_np), ctx)
+    return StepInputs(
+        torch.from_numpy(np.array(input_ids, dtype=np.int64)), torch.from_numpy(positions_np), ctx
+    )
 
 
 def on_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     """Host-built inputs with every tensor (the context's and its metadata's too) on `device`."""
+
     def moved(obj):  # a dataclass with its tensor fields copied to the device; None stays None
-        return obj and replace(obj, **{f.name: to_device(v, device) for f in fields(obj)
-                                       if isinstance(v := getattr(obj, f.name), torch.Tensor)})
+        return obj and replace(
+            obj,
+            **{
+                f.name: to_device(v, device)
+                for f in fields(obj)
+                if isinstance(v := getattr(obj, f.name), torch.Tensor)
+            },
+        )
 
     if device.type == "cpu":
         return inputs
     ctx = inputs.context
-    return StepInputs(to_device(inputs.input_ids, device), to_device(inputs.positions, device),
-                      replace(moved(ctx), decode=moved(ctx.decode), prefill=moved(ctx.prefill)))
+    return StepInputs(
+        to_device(inputs.input_ids, device),
+        to_device(inputs.positions, device),
+        replace(moved(ctx), decode=moved(ctx.decode), prefill=moved(ctx.prefill)),
+    )
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:
@@ -68,7 +84,8 @@ def _block_tables(seqs: list[Sequence]) -> np.ndarray:
     lens = np.fromiter([len(seq.block_table) for seq in seqs], np.int64, len(seqs))
     padded = np.full((len(seqs), lens.max()), -1, np.int32)
     padded[np.arange(padded.shape[1]) < lens[:, None]] = np.frombuffer(
-        b"".join([seq.block_table for seq in seqs]), np.intc)
+        b"".join([seq.block_table for seq in seqs]), np.intc
+    )
     return padded
 
 
@@ -99,6 +116,10 @@ def _prefill_metadata(seqs: list[Sequence], block_tables: np.ndarray) -> Attenti
     has_prefix = any(seq.num_cached_tokens for seq in seqs)
     return AttentionMetadata(
         block_tables=torch.from_numpy(block_tables) if has_prefix else None,
-        cu_seqlens_q=cu_seqlens[0], cu_seqlens_k=cu_seqlens[1],
-        max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-        seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+        cu_seqlens_q=cu_seqlens[0],
+        cu_seqlens_k=cu_seqlens[1],
+        max_seqlen_q=max(seqlens_q),
+        max_seqlen_k=max(seqlens_k),
+        seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k,
+    )

@@ -3,6 +3,7 @@ and filters), for the sequences that ask. An entry is {token id: Logprob}: the c
 (sampled, or the prompt's next) ranked 1 + the others at least as likely, then the top k.
 Logits rows: sequence i owns rows[i] consecutive ones (logits_rows); in a prefill chunk
 starting at position s, its row j predicts token s + j + 1; its last row samples."""
+
 from itertools import islice
 from typing import NamedTuple
 
@@ -15,11 +16,12 @@ from nanovllm.runner.device import to_device
 
 class LogprobRows(NamedTuple):
     """The logits rows a step computes logprobs of: prompt rows, then sampling rows."""
-    picks: list[int]           # logits rows
-    ks: list[int]              # the top-k size of each
+
+    picks: list[int]  # logits rows
+    ks: list[int]  # the top-k size of each
     prompt_targets: list[int]  # the token each prompt pick predicts
-    prompt_counts: list[int]   # per sequence, how many of the prompt picks are its
-    sample_rows: list[int]     # batch rows whose sampled token wants logprobs
+    prompt_counts: list[int]  # per sequence, how many of the prompt picks are its
+    sample_rows: list[int]  # batch rows whose sampled token wants logprobs
 
 
 def find_logprob_rows(seqs: list[Sequence], rows: list[int] | None) -> LogprobRows | None:
@@ -53,8 +55,9 @@ def raw_logprobs(logits: torch.Tensor, asked: LogprobRows) -> torch.Tensor:
     return logits[to_device(torch.tensor(asked.picks), logits.device)].float().log_softmax(-1)
 
 
-def collect_logprobs(asked: LogprobRows, logprobs: torch.Tensor, sampled: torch.Tensor,
-                     num_seqs: int) -> tuple[list[dict | None], list[list[dict]]]:
+def collect_logprobs(
+    asked: LogprobRows, logprobs: torch.Tensor, sampled: torch.Tensor, num_seqs: int
+) -> tuple[list[dict | None], list[list[dict]]]:
     """Per sequence: the sampled token's entry (or None), and its new prompt entries. Row r of
     logprobs [R, vocab] gives its chosen token's entry and the top ks[r] (one host sync)."""
     targets = to_device(torch.tensor(asked.prompt_targets, dtype=torch.long), sampled.device)
@@ -65,8 +68,13 @@ def collect_logprobs(asked: LogprobRows, logprobs: torch.Tensor, sampled: torch.
     ranks = (logprobs >= chosen_logprobs).sum(dim=-1)
     entries = []  # prompt entries, sequence by sequence, then the sampled ones
     for k, token, logprob, rank, ids, values in zip(
-            asked.ks, chosen.tolist(), chosen_logprobs[:, 0].tolist(), ranks.tolist(),
-            top.indices.tolist(), top.values.tolist()):
+        asked.ks,
+        chosen.tolist(),
+        chosen_logprobs[:, 0].tolist(),
+        ranks.tolist(),
+        top.indices.tolist(),
+        top.values.tolist(),
+    ):
         top_k = {i: Logprob(v, r) for r, (i, v) in enumerate(zip(ids[:k], values[:k]), 1)}
         entries.append({token: Logprob(logprob, rank)} | top_k)  # the chosen one first
     rest = iter(entries)

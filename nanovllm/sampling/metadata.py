@@ -1,4 +1,5 @@
 """What the sampler needs to know about a batch (a None field: no row needs it), from rank 0."""
+
 from dataclasses import dataclass
 from hashlib import blake2b
 from itertools import chain
@@ -15,26 +16,28 @@ from nanovllm.sampling_params import SamplingParams
 @dataclass(slots=True)
 class Penalties:
     """vLLM's penalties for the rows that have one (P of the batch's B rows)."""
-    rows: torch.Tensor           # [P] int64: their rows in the batch
+
+    rows: torch.Tensor  # [P] int64: their rows in the batch
     output_counts: torch.Tensor  # [P, vocab] float32: times each token is in the completion
-    in_prompt: torch.Tensor      # [P, vocab] bool: token is in the prompt
-    repetition: torch.Tensor     # [P] float32, 1 = off
-    presence: torch.Tensor       # [P] float32, 0 = off
-    frequency: torch.Tensor      # [P] float32, 0 = off
+    in_prompt: torch.Tensor  # [P, vocab] bool: token is in the prompt
+    repetition: torch.Tensor  # [P] float32, 1 = off
+    presence: torch.Tensor  # [P] float32, 0 = off
+    frequency: torch.Tensor  # [P] float32, 0 = off
 
 
 @dataclass(slots=True)
 class SamplingMetadata:
     """Per-row settings of a batch of B rows, on the logits' device."""
-    temperatures: torch.Tensor                  # [B] float32; greedy rows hold 1.0
-    greedy: torch.Tensor | None = None          # [B] bool; None when no row is greedy
+
+    temperatures: torch.Tensor  # [B] float32; greedy rows hold 1.0
+    greedy: torch.Tensor | None = None  # [B] bool; None when no row is greedy
     all_greedy: bool = False
-    top_k: torch.Tensor | None = None           # [B] int64; vocab size = keep all
-    max_top_k: int = 0                          # the largest k below the vocab size
-    top_p: torch.Tensor | None = None           # [B] float32; 1.0 = keep all
-    min_p: torch.Tensor | None = None           # [B] float32; 0.0 = keep all
-    seeded_rows: torch.Tensor | None = None     # [S] int64
-    seed_keys: torch.Tensor | None = None       # [S] int64, 32-bit keys (see seed_key)
+    top_k: torch.Tensor | None = None  # [B] int64; vocab size = keep all
+    max_top_k: int = 0  # the largest k below the vocab size
+    top_p: torch.Tensor | None = None  # [B] float32; 1.0 = keep all
+    min_p: torch.Tensor | None = None  # [B] float32; 0.0 = keep all
+    seeded_rows: torch.Tensor | None = None  # [S] int64
+    seed_keys: torch.Tensor | None = None  # [S] int64, 32-bit keys (see seed_key)
     all_seeded: bool = False
     penalties: Penalties | None = None
     bias: tuple[torch.Tensor, ...] | None = None  # [N] rows, [N] token ids, [N] float32 to add
@@ -74,15 +77,15 @@ class TokenCounts:
         for seq in seqs:
             entry = self.tracked.get(seq.seq_id) or self._assign(seq)
             split = max(entry.num_counted, seq.num_prompt_tokens)
-            prompt += [(entry.slot, t) for t in seq.token_ids[entry.num_counted:split]]
+            prompt += [(entry.slot, t) for t in seq.token_ids[entry.num_counted : split]]
             output += [(entry.slot, t) for t in seq.token_ids[split:]]
             entry.num_counted = len(seq)
         if prompt:  # a device-side True: a Python scalar would be a blocking copy
             self.in_prompt.index_put_(self._index(prompt), self._true)
         if output:
-            self.output_counts.index_put_(self._index(output),
-                                          torch.ones(len(output), device=self.device),
-                                          accumulate=True)
+            self.output_counts.index_put_(
+                self._index(output), torch.ones(len(output), device=self.device), accumulate=True
+            )
         return list_to_device([self.tracked[seq.seq_id].slot for seq in seqs], self.device)
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
@@ -100,22 +103,32 @@ class TokenCounts:
         return entry
 
 
-def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts: TokenCounts,
-                            device: torch.device) -> SamplingMetadata:
+def build_sampling_metadata(
+    seqs: list[Sequence], vocab_size: int, token_counts: TokenCounts, device: torch.device
+) -> SamplingMetadata:
     """The per-row tensors of a batch, on `device`; features no row uses stay None. Settings
     are read once per distinct SamplingParams (a batch usually shares one) and spread to rows."""
+
     def put(data: list | np.ndarray) -> torch.Tensor:
         return list_to_device(data, device)
 
     all_params = [seq.sampling_params for seq in seqs]
     distinct = {id(p): p for p in all_params}  # each SamplingParams once, first seen first
     params, index = list(distinct.values()), {key: i for i, key in enumerate(distinct)}
-    row_params = (np.zeros(len(seqs), np.int64) if len(params) == 1  # no per-row lookups
-                  else np.array([index[id(p)] for p in all_params]))
+    row_params = (
+        np.zeros(len(seqs), np.int64)
+        if len(params) == 1  # no per-row lookups
+        else np.array([index[id(p)] for p in all_params])
+    )
     greedy = np.array([p.is_greedy for p in params])[row_params]
-    m = SamplingMetadata(temperatures=put(np.array(
-        [1.0 if p.is_greedy else p.temperature for p in params], np.float32)[row_params]),
-        all_greedy=bool(greedy.all()))
+    m = SamplingMetadata(
+        temperatures=put(
+            np.array([1.0 if p.is_greedy else p.temperature for p in params], np.float32)[
+                row_params
+            ]
+        ),
+        all_greedy=bool(greedy.all()),
+    )
     if greedy.any():
         m.greedy = put(greedy)
     if any(p.min_tokens or p.logit_bias for p in params):
@@ -129,13 +142,22 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, token_counts:
     return m
 
 
-def _add_filters(m: SamplingMetadata, params: list[SamplingParams], row_params: np.ndarray,
-                 sampled: np.ndarray, vocab_size: int, put) -> None:
+def _add_filters(
+    m: SamplingMetadata,
+    params: list[SamplingParams],
+    row_params: np.ndarray,
+    sampled: np.ndarray,
+    vocab_size: int,
+    put,
+) -> None:
     # Greedy rows keep everything: their token is the argmax, taken before the filters.
     if not any(0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0 for p in params):
         return  # no row is filtered: no per-row arrays
-    top_k = np.where(sampled, np.array([p.top_k if 0 < p.top_k < vocab_size else vocab_size
-                                        for p in params])[row_params], vocab_size)
+    top_k = np.where(
+        sampled,
+        np.array([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params])[row_params],
+        vocab_size,
+    )
     top_p = np.where(sampled, np.array([p.top_p for p in params], np.float32)[row_params], 1)
     min_p = np.where(sampled, np.array([p.min_p for p in params], np.float32)[row_params], 0)
     if top_k.min() < vocab_size:
@@ -148,20 +170,26 @@ def _add_filters(m: SamplingMetadata, params: list[SamplingParams], row_params: 
 
 
 def _add_seeds(m: SamplingMetadata, seqs: list[Sequence], sampled: np.ndarray, put) -> None:
-    seeded = [i for i, seq in enumerate(seqs) if sampled[i] and seq.sampling_params.seed is not None]
+    seeded = [
+        i for i, seq in enumerate(seqs) if sampled[i] and seq.sampling_params.seed is not None
+    ]
     if seeded:
         m.seeded_rows = put(seeded)
-        m.seed_keys = put([seed_key(seqs[i].sampling_params.seed, seqs[i].num_completion_tokens)
-                           for i in seeded])
+        m.seed_keys = put(
+            [seed_key(seqs[i].sampling_params.seed, seqs[i].num_completion_tokens) for i in seeded]
+        )
         m.all_seeded = len(seeded) == int(sampled.sum())
 
 
 def _bias(seqs: list[Sequence], put) -> tuple[torch.Tensor, ...] | None:
     """(rows, token ids, values) to add to the logits, one entry per (row, id): logit_bias, and
     -inf for the stop ids that min_tokens forbids (each sequence's, EOS unless ignored)."""
-    biases = [seq.sampling_params.logit_bias | dict.fromkeys(seq.stop_token_ids, float("-inf"))
-              if seq.num_completion_tokens < seq.sampling_params.min_tokens
-              else seq.sampling_params.logit_bias for seq in seqs]
+    biases = [
+        seq.sampling_params.logit_bias | dict.fromkeys(seq.stop_token_ids, float("-inf"))
+        if seq.num_completion_tokens < seq.sampling_params.min_tokens
+        else seq.sampling_params.logit_bias
+        for seq in seqs
+    ]
     if not (total := sum(lens := [len(bias) for bias in biases])):
         return None
     ids = np.fromiter(chain.from_iterable(biases), np.int64, total)  # 2x faster than lists
@@ -176,7 +204,13 @@ def _penalties(seqs: list[Sequence], counts: TokenCounts, put) -> Penalties | No
     slots = counts.update([seqs[i] for i in rows])
     params = [seqs[i].sampling_params for i in rows]
     repetition, presence, frequency = put(
-        [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params]).unbind(1)
-    return Penalties(rows=put(rows), output_counts=counts.output_counts[slots],
-                     in_prompt=counts.in_prompt[slots], repetition=repetition, presence=presence,
-                     frequency=frequency)
+        [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params]
+    ).unbind(1)
+    return Penalties(
+        rows=put(rows),
+        output_counts=counts.output_counts[slots],
+        in_prompt=counts.in_prompt[slots],
+        repetition=repetition,
+        presence=presence,
+        frequency=frequency,
+    )

@@ -5,12 +5,19 @@
 
 Each step's math is an op of kernels/sampling_ops.py; sampling there is the exponential race
 (unseeded CPU rows: the inverse CDF), a seeded row's noise a hash of (seed, step, token id)."""
+
 import torch
 from torch import nn
 
-from nanovllm.kernels.sampling_ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
-                                           inverse_cdf, seeded_exponentials, softmax_race,
-                                           unseeded_noise)
+from nanovllm.kernels.sampling_ops import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    inverse_cdf,
+    seeded_exponentials,
+    softmax_race,
+    unseeded_noise,
+)
 from nanovllm.sampling.metadata import SamplingMetadata
 
 
@@ -28,8 +35,9 @@ class Sampler(nn.Module):
             logits[rows, ids] += values
         if m.penalties is not None:
             p = m.penalties
-            logits[p.rows] = apply_penalties(logits[p.rows], p.output_counts, p.in_prompt,
-                                             p.repetition, p.presence, p.frequency)
+            logits[p.rows] = apply_penalties(
+                logits[p.rows], p.output_counts, p.in_prompt, p.repetition, p.presence, p.frequency
+            )
         greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
         if m.all_greedy:
             return greedy_ids

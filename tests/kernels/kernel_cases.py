@@ -7,6 +7,7 @@ The tests here run on CUDA when it is present, and on the CPU in Triton's interp
 when TRITON_INTERPRET=1 was set before anything imported triton: tests/test_kernels.py
 runs this folder in such a subprocess, so the rest of the suite keeps its environment.
 """
+
 import os
 from dataclasses import dataclass
 
@@ -16,8 +17,10 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
 requires_kernels = pytest.mark.skipif(
-    DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1 (tests/test_kernels.py runs "
-                           "this folder under the interpreter)")
+    DEVICE is None,
+    reason="needs CUDA or TRITON_INTERPRET=1 (tests/test_kernels.py runs "
+    "this folder under the interpreter)",
+)
 # ||out - ref|| / ||ref||, ref computed in float32 from the same (rounded) inputs
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 NAN = float("nan")
@@ -28,7 +31,9 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def randn(*shape: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+def randn(
+    *shape: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0
+) -> torch.Tensor:
     return (scale * torch.randn(*shape, generator=gen)).to(device=DEVICE, dtype=dtype)
 
 
@@ -37,7 +42,7 @@ class PagedCache:
     """A paged KV cache holding `seqlens[i]` random tokens for sequence i and NaN in every
     other slot (so a read past a context shows up as NaN in the output)."""
 
-    k_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
     block_tables: torch.Tensor  # [num_seqs, max_blocks + 1] int32, -1 padded, shuffled ids
 
@@ -49,13 +54,21 @@ class PagedCache:
     def context(self, i: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence i's first `length` keys and values, [length, num_kv_heads, head_dim]."""
         block_size = self.k_cache.shape[1]
-        blocks = self.block_tables[i, :-(-length // block_size)].long()
-        return (self.k_cache[blocks].flatten(0, 1)[:length],
-                self.v_cache[blocks].flatten(0, 1)[:length])
+        blocks = self.block_tables[i, : -(-length // block_size)].long()
+        return (
+            self.k_cache[blocks].flatten(0, 1)[:length],
+            self.v_cache[blocks].flatten(0, 1)[:length],
+        )
 
 
-def paged_cache(seqlens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                dtype: torch.dtype, gen: torch.Generator) -> PagedCache:
+def paged_cache(
+    seqlens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> PagedCache:
     blocks_per_seq = [-(-n // block_size) for n in seqlens]
     num_blocks = sum(blocks_per_seq) + 2  # two spare blocks, never referenced: all NaN
     ids = torch.randperm(num_blocks, generator=gen).tolist()
@@ -82,8 +95,9 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     return out.to(DEVICE)
 
 
-def attention_written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+def attention_written_out(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One sequence's causal attention in float64, by the formula: its last len(q)
     positions' queries over its len(k) keys. q [len_q, heads, head_dim]; k, v [len_k,
     kv_heads, head_dim] (GQA: each KV head serves heads // kv_heads query heads)."""
@@ -92,7 +106,9 @@ def attention_written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     offset = k.shape[0] - q.shape[0]  # query j sits at position offset + j
-    visible = (torch.arange(k.shape[0], device=q.device)[None, :]
-               <= torch.arange(offset, k.shape[0], device=q.device)[:, None])
+    visible = (
+        torch.arange(k.shape[0], device=q.device)[None, :]
+        <= torch.arange(offset, k.shape[0], device=q.device)[:, None]
+    )
     weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", weights, v)

@@ -4,15 +4,14 @@ bfloat16: every step rounds where PyTorch's does and the mean's sum runs in the 
 PyTorch's CPU sum (its vector width taken from torch's CPU capability, as on x86). Shapes
 off the vector width (hidden 40, 1 and 3 rows), q and k as views of the qkv projection,
 GQA, positions at the end of the cache; and, where the C++ does not apply, the eager op."""
+
 import pytest
 import torch
+from conftest import native_library
 
 from nanovllm.kernels import cpu_ops
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
-
-from conftest import native_library
-
 
 
 @pytest.fixture
@@ -27,8 +26,9 @@ MAX_POSITION = 4096
 
 def qkv_cases(test):
     """Built, over both dtypes, 1, 3 and 256 rows and four head layouts (GQA, MHA, head_dim 40)."""
-    test = pytest.mark.parametrize("heads,kv_heads,head_dim",
-                                   [(2, 1, 16), (4, 2, 64), (16, 8, 128), (3, 3, 40)])(test)
+    test = pytest.mark.parametrize(
+        "heads,kv_heads,head_dim", [(2, 1, 16), (4, 2, 64), (16, 8, 128), (3, 3, 40)]
+    )(test)
     test = pytest.mark.parametrize("rows", [1, 3, 256])(test)
     return built(pytest.mark.parametrize("dtype", DTYPES)(test))
 
@@ -100,6 +100,18 @@ def test_long_rows_sum_in_pytorchs_order(dtype, hidden):
 
 
 @built
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_around_the_vector_width_sum_in_pytorchs_order(dtype):
+    """Rows under, at and past a float vector (8 lanes; on AVX-512 CPUs too, whose PyTorch
+    sums with its AVX2 kernel), past 4 and 16 rows of 4 vectors (a second level): 64 rows
+    each, so that a wrong lane count or tail order shows in some row's last bit."""
+    for hidden in (*range(1, 18), 31, 33, 63, 65, 127, 129, 511, 513, 4095):
+        x, weight = randn(64, hidden, dtype=dtype, seed=hidden), randn(hidden, dtype=dtype, seed=2)
+        out = rms_norm.native(x, weight, 1e-6)
+        assert torch.equal(out, rms_norm.eager(x, weight, 1e-6)), f"hidden {hidden}"
+
+
+@built
 def test_a_lone_long_row_on_two_threads_is_the_eager_op():
     """PyTorch splits the sum of a single row of 32768 elements or more over its threads."""
     threads = torch.get_num_threads()
@@ -118,16 +130,18 @@ def test_eps_is_honoured():
     small, large = rms_norm.native(x, weight, 1e-6), rms_norm.native(x, weight, 1e-2)
     assert not torch.equal(small, large)
     assert torch.equal(large, rms_norm.eager(x, weight, 1e-2))
-    assert torch.equal(add_rms_norm.native(x, x, weight, 1e-2)[0],
-                       add_rms_norm.eager(x, x, weight, 1e-2)[0])
+    assert torch.equal(
+        add_rms_norm.native(x, x, weight, 1e-2)[0], add_rms_norm.eager(x, x, weight, 1e-2)[0]
+    )
 
 
 @qkv_cases
 def test_rotary_is_the_eager_op_and_leaves_its_inputs(dtype, rows, heads, kv_heads, head_dim):
     q, k = qk_views(rows, heads, kv_heads, head_dim, dtype)
     cache = get_rope(head_dim, MAX_POSITION, {"rope_theta": 1e6}).cos_sin_cache
-    positions = torch.randint(MAX_POSITION - 300, MAX_POSITION, (rows,),
-                              generator=torch.Generator().manual_seed(4))
+    positions = torch.randint(
+        MAX_POSITION - 300, MAX_POSITION, (rows,), generator=torch.Generator().manual_seed(4)
+    )
     positions[0] = MAX_POSITION - 1
     inputs = [t.clone() for t in (q, k, positions, cache)]
     q_out, k_out = apply_rotary_emb.native(positions, q, k, cache)
@@ -156,8 +170,9 @@ def test_two_threads_give_the_one_threads_result():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append((rms_norm.native(x, weight, 1e-6),
-                         *apply_rotary_emb.native(positions, q, k, cache)))
+            outs.append(
+                (rms_norm.native(x, weight, 1e-6), *apply_rotary_emb.native(positions, q, k, cache))
+            )
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -168,8 +183,11 @@ def test_without_the_library_the_eager_ops_run(monkeypatch):
     x, weight = randn(3, 40), randn(40, seed=2)
     q, k = qk_views(3, 2, 1, 16, torch.float32)
     cache = get_rope(16, 64, {"rope_theta": 1e4}).cos_sin_cache
-    for op, args in ((rms_norm, (x, weight, 1e-6)), (add_rms_norm, (x, x, weight, 1e-6)),
-                     (apply_rotary_emb, (torch.tensor([0, 5, 63]), q, k, cache))):
+    for op, args in (
+        (rms_norm, (x, weight, 1e-6)),
+        (add_rms_norm, (x, x, weight, 1e-6)),
+        (apply_rotary_emb, (torch.tensor([0, 5, 63]), q, k, cache)),
+    ):
         eager = Spy(op.eager)
         out = op.native.func(eager, *args)  # the twin, given the spy as its eager op
         assert eager.calls == 1 and torch.equal(out[0], op.eager(*args)[0])
@@ -180,14 +198,18 @@ def unindexed_cases() -> dict:
     x, weight, residual = randn(3, 64), randn(64, seed=2), randn(3, 64, seed=3)
     q, k = qk_views(3, 2, 1, 32, torch.float16)
     cache = get_rope(32, 64, {"rope_theta": 1e4}).cos_sin_cache
-    return {"float16": (rms_norm, (x.half(), weight.half(), 1e-6)),
-            "a weight of another dtype": (rms_norm, (x.bfloat16(), weight, 1e-6)),
-            "a strided last dim": (rms_norm, (randn(3, 128)[:, ::2], weight, 1e-6)),
-            "one dimension": (rms_norm, (x[0], weight, 1e-6)),
-            "a residual of another dtype": (add_rms_norm, (x, residual.bfloat16(), weight, 1e-6)),
-            "float16 rotary": (apply_rotary_emb, (torch.arange(3), q, k, cache)),
-            "int32 positions": (apply_rotary_emb, (torch.arange(3, dtype=torch.int32), q.float(),
-                                                   k.float(), cache))}
+    return {
+        "float16": (rms_norm, (x.half(), weight.half(), 1e-6)),
+        "a weight of another dtype": (rms_norm, (x.bfloat16(), weight, 1e-6)),
+        "a strided last dim": (rms_norm, (randn(3, 128)[:, ::2], weight, 1e-6)),
+        "one dimension": (rms_norm, (x[0], weight, 1e-6)),
+        "a residual of another dtype": (add_rms_norm, (x, residual.bfloat16(), weight, 1e-6)),
+        "float16 rotary": (apply_rotary_emb, (torch.arange(3), q, k, cache)),
+        "int32 positions": (
+            apply_rotary_emb,
+            (torch.arange(3, dtype=torch.int32), q.float(), k.float(), cache),
+        ),
+    }
 
 
 @pytest.mark.parametrize("case", list(unindexed_cases()))

@@ -1,12 +1,14 @@
 """The decode launcher is CUDA-graph safe: no host sync, and a captured graph replayed on
 new values in its static buffers equals an eager call (CUDA only)."""
+
 import pytest
 import torch
-
 from kernel_cases import DEVICE, paged_cache, randn
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (outside the interpreter)")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (outside the interpreter)"),
+]
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK = 2, 8, 128, 16
 
 
@@ -21,8 +23,15 @@ def test_decode_replays_in_a_cuda_graph_without_host_syncs(num_splits):
     context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
 
     def decode():
-        return paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables,
-                                      context_lens, HEAD_DIM ** -0.5, num_splits=num_splits)
+        return paged_decode_attention(
+            q,
+            cache.k_cache,
+            cache.v_cache,
+            cache.block_tables,
+            context_lens,
+            HEAD_DIM**-0.5,
+            num_splits=num_splits,
+        )
 
     decode()  # compile outside the capture
     torch.cuda.synchronize()

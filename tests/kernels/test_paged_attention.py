@@ -1,13 +1,22 @@
 """The paged attention kernels against the torch reference backend, on random caches
 whose unused slots and outputs are NaN-poisoned: a read past a context or a row left
 unwritten shows up as NaN."""
+
 import pytest
 import torch
+from kernel_cases import (
+    DEVICE,
+    NAN,
+    TOLERANCE,
+    cu_seqlens,
+    paged_cache,
+    randn,
+    rel_error,
+    requires_kernels,
+)
 
-from kernel_cases import (DEVICE, NAN, TOLERANCE, cu_seqlens, paged_cache, randn, rel_error,
-                          requires_kernels)
-from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.backend import TorchBackend
+from nanovllm.attention.metadata import AttentionMetadata
 
 pytestmark = [pytest.mark.cuda, requires_kernels]
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -28,7 +37,7 @@ DECODE_CASES = [
     (BF16, 2, 128, 256, 1),
     (BF16, 4, 64, 16, 4),
     (F16, 1, 128, 16, None),
-    (F32, 2, 96, 16, 2),     # head_dim not a power of two: a masked, padded tile
+    (F32, 2, 96, 16, 2),  # head_dim not a power of two: a masked, padded tile
 ]
 
 
@@ -48,11 +57,19 @@ def test_decode_matches_torch_reference(case):
     cache = paged_cache(lens, NUM_KV_HEADS, head_dim, block_size, dtype, gen)
     q = randn(len(lens), NUM_KV_HEADS * group, head_dim, dtype=dtype, gen=gen, scale=2.0)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch.full_like(q, NAN)
 
-    paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, context_lens,
-                           scale, num_splits=num_splits, out=out)
+    paged_decode_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        context_lens,
+        scale,
+        num_splits=num_splits,
+        out=out,
+    )
 
     ctx = AttentionMetadata(block_tables=cache.block_tables, context_lens=context_lens)
     ref = TorchBackend().decode(q.float(), *cache.clean(), ctx, scale)
@@ -89,9 +106,12 @@ def test_prefill_matches_torch_reference(case):
     seqlens_k = [p + c for p, c in zip(prefix_lens, chunk_lens)]
     num_tokens = sum(chunk_lens)
     # q, k, v as strided views of one qkv tensor, as the model passes them
-    qkv = randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, gen=gen,
-                scale=1.5)
-    q, k, v = qkv.split([num_heads * head_dim, NUM_KV_HEADS * head_dim, NUM_KV_HEADS * head_dim], -1)
+    qkv = randn(
+        num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, gen=gen, scale=1.5
+    )
+    q, k, v = qkv.split(
+        [num_heads * head_dim, NUM_KV_HEADS * head_dim, NUM_KV_HEADS * head_dim], -1
+    )
     q = q.view(num_tokens, num_heads, head_dim)
     k, v = k.view(num_tokens, NUM_KV_HEADS, head_dim), v.view(num_tokens, NUM_KV_HEADS, head_dim)
     if keys == "prefix":
@@ -103,15 +123,22 @@ def test_prefill_matches_torch_reference(case):
         k_cache = v_cache = torch.tensor([], device=DEVICE)
         block_tables, ref_caches = None, (None, None)
     cu_q, cu_k = cu_seqlens(chunk_lens), cu_seqlens(seqlens_k)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch.full_like(q, NAN)
 
-    paged_prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max(chunk_lens), block_tables,
-                            scale, out=out)
+    paged_prefill_attention(
+        q, k, v, k_cache, v_cache, cu_q, cu_k, max(chunk_lens), block_tables, scale, out=out
+    )
 
-    ctx = AttentionMetadata(block_tables=block_tables,
-                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(chunk_lens),
-                            max_seqlen_k=max(seqlens_k), seqlens_q=chunk_lens, seqlens_k=seqlens_k)
+    ctx = AttentionMetadata(
+        block_tables=block_tables,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max(chunk_lens),
+        max_seqlen_k=max(seqlens_k),
+        seqlens_q=chunk_lens,
+        seqlens_k=seqlens_k,
+    )
     ref = TorchBackend().prefill(q.float(), k.float(), v.float(), *ref_caches, ctx, scale)
     assert not out.isnan().any()
     assert rel_error(out, ref) < TOLERANCE[dtype]

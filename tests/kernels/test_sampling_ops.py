@@ -6,15 +6,15 @@ token); and the softmax written out in Python, for inverse_cdf's draws (Pearson'
 under the 0.999 quantile, fixed seeds). The rows put weight, zeros and -inf at the C++
 draw's chunk edges. On the CPU; this folder also runs under the Triton interpreter, which
 these tests do not use."""
+
 import math
 
 import pytest
 import torch
+from conftest import native_library
 
 from nanovllm.kernels import sampling_ops
 from nanovllm.kernels.sampling_ops import inverse_cdf
-
-from conftest import native_library
 
 F64 = torch.float64
 C = 64  # cpu_sample.cpp's CHUNK: the edges the cases put weight on and around
@@ -31,8 +31,9 @@ def full_cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
 
 
-def edge_weights(rows: int, vocab: int, size: int, gen: torch.Generator,
-                 spread: bool = False) -> torch.Tensor:
+def edge_weights(
+    rows: int, vocab: int, size: int, gen: torch.Generator, spread: bool = False
+) -> torch.Tensor:
     """Random weights, 40% of them 0, and rows whose zeros sit at the chunk edges: the first
     and last token of every chunk, a whole chunk, the tail, all but one edge token. From
     torch.rand, multiples of 2**-24 below 1, so every float64 sum of a row's weights is exact;
@@ -43,19 +44,19 @@ def edge_weights(rows: int, vocab: int, size: int, gen: torch.Generator,
     w *= torch.rand(rows, vocab, generator=gen) > 0.4
     ids = torch.arange(vocab)
     w[0::4, (ids % size == 0) | (ids % size == size - 1)] = 0
-    w[1::4, size:2 * size] = 0                       # a chunk of weight 0 inside
-    w[2::4, vocab // size * size - 1:] = 0           # the last full chunk's end and the tail
+    w[1::4, size : 2 * size] = 0  # a chunk of weight 0 inside
+    w[2::4, vocab // size * size - 1 :] = 0  # the last full chunk's end and the tail
     w[3:8:2] = 0
-    w[3, min(size, vocab) - 1] = 1.0                 # one token, a chunk's last
-    w[5, [min(size, vocab - 2), vocab - 1]] = 0.5    # a chunk's first and the vocab's last
-    w[7, -1] = 1.0                                   # the vocab's last alone
+    w[3, min(size, vocab) - 1] = 1.0  # one token, a chunk's last
+    w[5, [min(size, vocab - 2), vocab - 1]] = 0.5  # a chunk's first and the vocab's last
+    w[7, -1] = 1.0  # the vocab's last alone
     return w
 
 
 def uniforms(rows: int, gen: torch.Generator) -> torch.Tensor:
     u = 1 - torch.rand(rows, 1, dtype=F64, generator=gen)  # (0, 1], as inverse_cdf draws
-    u[::3] = 1.0              # the top of the CDF: the last token of weight > 0
-    u[1::3][:4] = 2.0 ** -53  # the smallest 1 - rand: the first token of weight > 0
+    u[::3] = 1.0  # the top of the CDF: the last token of weight > 0
+    u[1::3][:4] = 2.0**-53  # the smallest 1 - rand: the first token of weight > 0
     return u
 
 
@@ -79,17 +80,17 @@ def test_inverse_cdf_draws_follow_the_softmax_at_a_vocab_of_several_chunks(draw_
     logits = torch.full((vocab,), float("-inf"))
     for t, p in mass.items():
         logits[t] = math.log(p)
-    logits[3 * C:4 * C] = math.log(0.1 / C)
+    logits[3 * C : 4 * C] = math.log(0.1 / C)
     torch.manual_seed(11)
     tokens = inverse_cdf(logits.expand(n, vocab).clone())
     allowed = torch.zeros(vocab, dtype=torch.bool)
     allowed[list(mass)] = True
-    allowed[3 * C:4 * C] = True
+    allowed[3 * C : 4 * C] = True
     assert allowed[tokens].all(), tokens[~allowed[tokens]].unique()
     counts = torch.bincount(tokens, minlength=vocab)
     half = 3 * C + C // 2  # chunk 3 in halves: where in the chunk counts too
     observed = [counts[t].item() for t in mass]
-    observed += [counts[3 * C:half].sum().item(), counts[half:4 * C].sum().item()]
+    observed += [counts[3 * C : half].sum().item(), counts[half : 4 * C].sum().item()]
     expected = [n * p for p in (*mass.values(), 0.05, 0.05)]
     chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
     assert chi2 < CHI2_999[len(expected) - 1], (chi2, observed, expected)
@@ -119,6 +120,7 @@ def test_a_seed_reproduces_the_draw_of_one_uniform_a_row(rows, vocab, draw_path)
 
 # -- the C++ draw (cpu_sample.cpp), against the float64 softmax ---------------------------
 
+
 def float64_weights(logits: torch.Tensor) -> torch.Tensor:
     """exp(logit - max) in float64, of the float32 difference (the softmax's, the kernel's)."""
     return (logits - logits.amax(-1, keepdim=True)).double().exp()
@@ -127,8 +129,9 @@ def float64_weights(logits: torch.Tensor) -> torch.Tensor:
 def native_draw(logits: torch.Tensor, u: torch.Tensor, threads: int = 1) -> torch.Tensor:
     library = native_library(sampling_ops.native_sampler)
     logits, out = logits.contiguous(), torch.empty(len(logits), dtype=torch.int64)
-    library.nanovllm_sample(logits.data_ptr(), *logits.shape, u.contiguous().data_ptr(),
-                            out.data_ptr(), threads)
+    library.nanovllm_sample(
+        logits.data_ptr(), *logits.shape, u.contiguous().data_ptr(), out.data_ptr(), threads
+    )
     return out
 
 
@@ -178,8 +181,13 @@ def test_native_draw_beside_each_chunk_edge():
             if not (cdf[r, edge] > 0 and cdf[r, edge] < cdf[r, -1]):
                 continue  # nothing before or nothing after the edge: no two sides
             u = (cdf[r, edge] / cdf[r, -1]).item()
-            for x_, side in ((u - 1e-6, -1), (math.nextafter(u, 0), 0), (u, 0),
-                             (math.nextafter(u, 2), 0), (u + 1e-6, 1)):
+            for x_, side in (
+                (u - 1e-6, -1),
+                (math.nextafter(u, 0), 0),
+                (u, 0),
+                (math.nextafter(u, 2), 0),
+                (u + 1e-6, 1),
+            ):
                 rows.append(r), us.append(x_), sides.append((side, edge))
     u = torch.tensor(us, dtype=F64)[:, None]
     got = native_draw(logits[rows], u)

@@ -1,20 +1,26 @@
 """store_kvcache against the torch reference: every slot written exactly, padding
 (-1) slots writing nothing, the rest of the NaN-poisoned cache left untouched."""
+
 import pytest
 import torch
-
 from kernel_cases import DEVICE, NAN, randn, requires_kernels
+
 from nanovllm.attention.backend import TorchBackend
 
 pytestmark = [pytest.mark.cuda, requires_kernels]
 
 
-@pytest.mark.parametrize("dtype,num_kv_heads,head_dim,block_size", [
-    (torch.float32, 2, 64, 16),
-    (torch.bfloat16, 4, 128, 256),
-    (torch.float16, 1, 128, 16),
-])
-def test_store_kvcache_writes_each_slot_and_skips_padding(dtype, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize(
+    "dtype,num_kv_heads,head_dim,block_size",
+    [
+        (torch.float32, 2, 64, 16),
+        (torch.bfloat16, 4, 128, 256),
+        (torch.float16, 1, 128, 16),
+    ],
+)
+def test_store_kvcache_writes_each_slot_and_skips_padding(
+    dtype, num_kv_heads, head_dim, block_size
+):
     from nanovllm.kernels import store_kvcache
 
     gen = torch.Generator().manual_seed(0)
@@ -24,8 +30,8 @@ def test_store_kvcache_writes_each_slot_and_skips_padding(dtype, num_kv_heads, h
     slot_mapping = torch.tensor(slots, device=DEVICE)
     # k, v with a token stride wider than a row, as the model's views of its qkv output
     kv = randn(len(slots), 3 * num_kv_heads * head_dim, dtype=dtype, gen=gen)
-    k = kv[:, :num_kv_heads * head_dim].view(len(slots), num_kv_heads, head_dim)
-    v = kv[:, 2 * num_kv_heads * head_dim:].view(len(slots), num_kv_heads, head_dim)
+    k = kv[:, : num_kv_heads * head_dim].view(len(slots), num_kv_heads, head_dim)
+    v = kv[:, 2 * num_kv_heads * head_dim :].view(len(slots), num_kv_heads, head_dim)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = (torch.full(shape, NAN, dtype=dtype, device=DEVICE) for _ in range(2))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()

@@ -1,11 +1,12 @@
 """The whole engine on the `triton` backend against Hugging Face `transformers`: greedy
 tokens identical, through prefill without a prefix, a prefix-cache hit and chunked
 prefill (both paged prefill), decode, and mixed steps (decode rows beside chunks)."""
+
 import pytest
 import torch
-
 from conftest import hf_greedy
 from kernel_cases import DEVICE, requires_kernels
+
 from nanovllm import LLM, SamplingParams
 
 BLOCK = 16
@@ -25,8 +26,14 @@ def test_triton_backend_greedy_matches_transformers(checkpoints):
     tails = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 9, 5, 50)]
     # two prompts share a two-block prefix; the last one is longer than the token budget
     prompts = [prefix + tails[0], prefix + tails[1], tails[2], tails[3]]
-    with LLM(str(path), attention_backend="triton", device=DEVICE, kvcache_block_size=BLOCK,
-             num_kvcache_blocks=32, max_num_batched_tokens=40) as llm:
+    with LLM(
+        str(path),
+        attention_backend="triton",
+        device=DEVICE,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=32,
+        max_num_batched_tokens=40,
+    ) as llm:
         assert llm.model_runner.backend.name == "triton"
         first = generate(llm, prompts[:1])
         block_manager = llm.scheduler.block_manager
@@ -45,8 +52,14 @@ def test_triton_backend_mixed_steps_match_transformers(checkpoints):
     g = torch.Generator().manual_seed(12)
     early = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 21)]
     late = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 6)]
-    with LLM(str(path), attention_backend="triton", device=DEVICE, kvcache_block_size=BLOCK,
-             num_kvcache_blocks=32, max_num_batched_tokens=24) as llm:
+    with LLM(
+        str(path),
+        attention_backend="triton",
+        device=DEVICE,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=32,
+        max_num_batched_tokens=24,
+    ) as llm:
         tokens, steps = run_with_arrivals(llm, early, late, GREEDY)
     assert tokens == [hf_greedy(str(path), tuple(p), GREEDY.max_tokens) for p in early + late]
     assert mixed_steps(steps) >= 1
