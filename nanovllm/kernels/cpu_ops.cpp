@@ -41,12 +41,20 @@ inline float round_to(float x) { return widen(narrow(x, T{})); }
 
 // PyTorch's float32 sum of a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp,
 // cascade_sum), of the squares of x widened, reproduced step for step: a sum's rounding
-// depends on its order. Vectors of L floats (Vectorized<float>: 8 under AVX2, 16 under
-// AVX-512) are summed lane by lane into 4 accumulators, vector j into j % 4 ("rows" of 4
-// vectors); every `step` rows (16 below 2^20 rows) the accumulators are carried into a second
-// level, every step^2 into a third, step^3 a fourth, so that no sum grows long; then the
-// levels, then the 4 accumulators, are added up (the levels only where carried into: else
-// they hold zeros, and adding 0 is exact).
+// depends on its order. Vectors of L floats (Vectorized<float> of the build that runs: 8 on
+// x86, AVX-512 CPUs included, see below) are summed lane by lane into 4 accumulators, vector
+// j into j % 4 ("rows" of 4 vectors); every `step` rows (16 below 2^20 rows) the
+// accumulators are carried into a second level, every step^2 into a third, step^3 a fourth,
+// so that no sum grows long; then the levels, then the 4 accumulators, are added up (the
+// levels only where carried into: else they hold zeros, and adding 0 is exact).
+//
+// L is 8 under AVX-512 too: SumKernel.cpp registers its kernels with REGISTER_DISPATCH, not
+// ALSO_REGISTER_AVX512_DISPATCH ("these kernels are slower with AVX512 than with AVX2"), so a
+// CPU whose capability is AVX512 runs the AVX2 build of sum (and of mean, a sum then a
+// division). Checked with torch 2.13 on a Sapphire Rapids: torch.sum's bits are those of
+// ATEN_CPU_CAPABILITY=avx2 and of this function with L = 8, over every row; with L = 16 about
+// half the rows differed in the last bit (a 1-row case could pass by chance). The L = 16 path
+// stays for a PyTorch whose sum would be dispatched with 16-lane vectors (cpu_ops.py's LANES).
 template <int L, typename T>
 void cascade_sum_of_squares(const T* x, int64_t count, float* total) {
   constexpr int ILP = 4, LEVELS = 4;
