@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import compare, engines
-from nanovllm.models.demo import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
+from nanovllm.demo import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
 BACKENDS = ("nanovllm", "hf", "vllm")

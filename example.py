@@ -20,7 +20,7 @@ def pick_model() -> str:
         return sys.argv[1]
     if os.path.isdir(DEFAULT_MODEL):
         return DEFAULT_MODEL
-    from nanovllm.models.demo import demo_checkpoint
+    from nanovllm.demo import demo_checkpoint
 
     path = str(demo_checkpoint())
     print(

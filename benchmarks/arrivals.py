@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.demo import demo_checkpoint, write_weightless_checkpoint
+from nanovllm.demo import demo_checkpoint, write_weightless_checkpoint
 
 CPU_SMALL = {  # bench.py's cpu-small shape
     "architectures": ["Qwen3ForCausalLM"],

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from nanovllm.attention.backend import TorchBackend
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchBackend
 
 SHAPES = {
     "cpu-small f32": (4, 2, 64, torch.float32),

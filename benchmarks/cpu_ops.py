@@ -19,7 +19,7 @@ import torch
 from nanovllm.kernels import cpu_ops
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
-from nanovllm.runner.device import keep_freed_host_memory
+from nanovllm.runner.cpu import keep_freed_host_memory
 
 SHAPES = {
     "tiny 256": (256, 32, 2, 1, 16),

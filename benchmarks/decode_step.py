@@ -32,7 +32,7 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.demo import write_weightless_checkpoint
+from nanovllm.demo import write_weightless_checkpoint
 
 BUSY_MS = 20.0  # GPU work queued ahead of a "busy" step
 

@@ -25,7 +25,7 @@ import torch
 
 import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.demo import build_tiny_qwen3, demo_checkpoint
+from nanovllm.demo import build_tiny_qwen3, demo_checkpoint
 
 PARTS = ("schedule", "inputs", "sampling", "sampler", "post")
 
@@ -50,9 +50,8 @@ def wrap_parts(llm: LLM) -> dict[str, list[float]]:
     sampler = llm.model_runner.sampler
     sampler.forward = timed(sampler.forward, totals["sampler"])
     model_runner.prepare_inputs = timed(model_runner.prepare_inputs, totals["inputs"])
-    model_runner.build_sampling_metadata = timed(
-        model_runner.build_sampling_metadata, totals["sampling"]
-    )
+    metadata = llm.model_runner.sampling_metadata
+    metadata.build = timed(metadata.build, totals["sampling"])
     return totals
 
 

@@ -20,7 +20,7 @@ import torch
 
 from bench import PRESETS
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.demo import write_weightless_checkpoint
+from nanovllm.demo import write_weightless_checkpoint
 
 
 def run(llm: LLM, prompt: list[int], n: int, copies: int) -> tuple[int, float]:

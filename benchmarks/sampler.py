@@ -20,9 +20,9 @@ import timeit
 import torch
 
 from nanovllm.core import Sequence
-from nanovllm.runner.step_inputs import logits_rows
+from nanovllm.core.sequence import logits_rows
 from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
-from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata
+from nanovllm.sampling.metadata import SamplingMetadataBuilder
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ class Workload:
                 seq.append_token(token)
             self.seqs.append(seq)
         self.vocab, self.device = args.vocab, device
-        self.counts = TokenCounts(args.vocab, device)
+        self.metadata = SamplingMetadataBuilder(args.vocab, device)
         self.logits = torch.randn(args.batch, args.vocab, generator=g).to(device) * 3
         self.sampler = Sampler()
         self.times: list[tuple[float, float]] = []  # (metadata s, sampler s) per step
@@ -88,7 +88,7 @@ class Workload:
             seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
         logits = self.logits.clone()
         start = time.perf_counter()
-        metadata = build_sampling_metadata(self.seqs, self.vocab, self.counts, self.device)
+        metadata = self.metadata.build(self.seqs)
         mid = time.perf_counter()
         asked = find_logprob_rows(self.seqs, None)  # as ModelRunner.sample does
         raw = None if asked is None else raw_logprobs(logits, asked)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.py, ben
 
 import bench  # noqa: E402
 from benchmarks.compare import kill_group  # noqa: E402
-from nanovllm.models.demo import write_weightless_checkpoint  # noqa: E402
+from nanovllm.demo import write_weightless_checkpoint  # noqa: E402
 
 NAME = "bench-model"  # the served model name, on both servers
 

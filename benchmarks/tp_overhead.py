@@ -14,7 +14,7 @@ import random
 from time import perf_counter
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.demo import demo_checkpoint
+from nanovllm.demo import demo_checkpoint
 
 
 def tokens_per_second(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.models.hf_config import check_supported
+from nanovllm.models.registry import architecture
 from nanovllm.utils import check_bool, check_choice, check_int, check_number
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -19,7 +19,7 @@ SCHEDULING_POLICIES = ("mixed", "prefill_first")
 
 @dataclass
 class Config:
-    """Every field, its default and its meaning is listed in README.md."""
+    """Every field, its default and its meaning is listed in docs/api.md."""
 
     model: str
     max_num_batched_tokens: int = 16384
@@ -88,7 +88,7 @@ class Config:
             check_choice(name, getattr(self, name), allowed)
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        check_supported(self.hf_config, self.tensor_parallel_size, self.max_model_len)
+        check_model_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
@@ -101,3 +101,58 @@ class Config:
                 f"Config accepts: {', '.join(sorted(known - {'model'}))}"
             )
         return cls(model, **kwargs)
+
+
+# -- what of a checkpoint our models run --------------------------------------------------
+
+# What tensor parallelism shards: attention heads, MLP columns (each expert's, in MoE),
+# vocabulary rows.
+SHARDED_DIMS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "vocab_size",
+)
+
+
+def check_model_config(hf_config: PretrainedConfig, tp_size: int, max_model_len: int) -> None:
+    """Refuse, by name and before any process is spawned or weight read, what no family here
+    implements (RoPE types are get_rope's to refuse, as the layers are built)."""
+    architecture(hf_config)
+    if hf_config.hidden_act != "silu":
+        raise ValueError(
+            f"hidden_act {hf_config.hidden_act!r} is not supported; only 'silu' (SwiGLU) is"
+        )
+    if getattr(hf_config, "quantization_config", None):
+        raise ValueError("quantization_config is set: quantized checkpoints are not supported")
+    check_sharding(hf_config, tp_size)
+    check_full_attention(hf_config, max_model_len)
+
+
+def check_sharding(hf_config: PretrainedConfig, tp_size: int) -> None:
+    """Every sharded dimension splits evenly over tp_size ranks."""
+    dims = {name: getattr(hf_config, name, None) for name in SHARDED_DIMS}
+    dims = {name: value for name, value in dims.items() if isinstance(value, int)}
+    for name, value in dims.items():
+        if value % tp_size:
+            fitting = [n for n in range(1, 9) if all(v % n == 0 for v in dims.values())]
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide the model's "
+                f"{name} ({value}); this model can use tensor_parallel_size "
+                f"{', '.join(map(str, fitting))}"
+            )
+
+
+def check_full_attention(hf_config: PretrainedConfig, max_model_len: int) -> None:
+    """A sliding window at least max_model_len wide never hides a key: attention is full. A
+    narrower one would hide some, and sliding-window attention is not implemented."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or not getattr(hf_config, "use_sliding_window", True):
+        return
+    if window < max_model_len:
+        raise ValueError(
+            f"sliding_window ({window}) is smaller than max_model_len "
+            f"({max_model_len}) and sliding-window attention is not supported; "
+            f"pass max_model_len={window} or less"
+        )

@@ -369,7 +369,7 @@ def throughput(enforce_eager: bool, json_path: str) -> None:
     from random import randint, seed
 
     from nanovllm import LLM, SamplingParams
-    from nanovllm.models.demo import write_weightless_checkpoint
+    from nanovllm.demo import write_weightless_checkpoint
 
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]

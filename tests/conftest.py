@@ -52,7 +52,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """name -> checkpoint directory, including "gqa_v4": the gqa weights with a
     transformers-4 style config.json (rope_theta, torch_dtype) and a rope_theta that is
     not the engine's fallback."""
-    from nanovllm.models.demo import build_tiny_qwen3
+    from nanovllm.demo import build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {name: build_tiny_qwen3(root / name, **kw) for name, kw in MODEL_SHAPES.items()}

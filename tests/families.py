@@ -90,7 +90,7 @@ FAMILIES = {
 
 
 def build_tokenizer_once(path: Path) -> Path:
-    from nanovllm.models.demo import build_tokenizer
+    from nanovllm.demo import build_tokenizer
 
     build_tokenizer(path)
     return path

@@ -54,7 +54,7 @@ def drive(reqs, num_blocks: int, async_scheduling: bool, eos: bool = True):
     )
     seqs = [Sequence(p, params, 4, eos_token_ids=[0]) for p, params in reqs]
     for seq in seqs:
-        scheduler.check_fits(seq)
+        scheduler.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
         scheduler.add(seq)
     # EOS for some, at a length fixed by the request: the same in both runs
     runner = DeviceFeedRunner(
@@ -182,7 +182,7 @@ def test_a_request_aborted_while_its_step_runs_frees_its_blocks(checkpoints):
         keep, drop = llm.add_request([5, 6, 7], params), llm.add_request([8, 9], params)
         for _ in range(3):
             llm.step()
-        assert llm.in_flight is not None
+        assert llm.overlap.in_flight is not None
         assert llm.abort_request(drop)
         finished = {}
         while not llm.is_finished():

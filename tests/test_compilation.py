@@ -10,10 +10,10 @@ import torch
 import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
 from nanovllm.compilation import compile_scope
+from nanovllm.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
-from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.sampling.sampler import softmax_race
 
 HOT_OPS = (rms_norm, add_rms_norm, silu_and_mul, apply_rotary_emb, softmax_race)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import hf_greedy
 
 import nanovllm.layers.linear as linear_module
-import nanovllm.runner.model_runner as model_runner
+import nanovllm.runner.cpu as runner_cpu
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import (
     PACKED_MAX_ROWS,
@@ -79,7 +79,7 @@ def test_weights_below_the_minimum_stay_on_f_linear(checkpoints):
 def test_no_copies_when_they_would_not_fit_a_quarter_of_the_memory(
     checkpoints, monkeypatch, caplog, pack_every_size
 ):
-    monkeypatch.setattr(model_runner, "physical_memory", lambda: 1024)
+    monkeypatch.setattr(runner_cpu, "physical_memory", lambda: 1024)
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(str(checkpoints["gqa"]), device="cpu") as llm:
             assert not any(packed_layers(llm))

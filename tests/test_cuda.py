@@ -20,10 +20,10 @@ from graph_cases import (
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import PENDING
+from nanovllm.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
-from nanovllm.models.demo import build_tiny_qwen3
 from nanovllm.runner.cuda_graph import capture_batch_sizes
 from nanovllm.sampling.sampler import softmax_race
 
@@ -198,10 +198,11 @@ def test_async_scheduling_feeds_a_step_from_the_one_in_flight_without_a_host_syn
         while not any(seq.last_token == PENDING for seq in llm.scheduler.running):
             llm.step()
         seqs = llm.scheduler.schedule()
+        feed = llm.overlap.feed(seqs, llm.overlap.in_flight)  # rows taken from the step in flight
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            llm.model_runner.execute_model(seqs)
+            llm.model_runner.execute_model(seqs, feed)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert any(seq.last_token == PENDING for seq in seqs)

@@ -14,13 +14,13 @@ from graph_cases import (
 )
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.attention.flash_attn_backend import FlashAttnBackend
 from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
-from nanovllm.runner.cuda_graph import (
-    CUDAGraphRunner,
-    block_table_width,
-    capture_batch_sizes,
-    use_cuda_graphs,
-)
+from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.attention.triton_backend import TritonBackend
+from nanovllm.runner.cuda_graph import CUDAGraphRunner, capture_batch_sizes
+from nanovllm.runner.kv_cache import block_table_width
+from nanovllm.runner.model_runner import use_cuda_graphs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU is touched
 
@@ -48,10 +48,13 @@ def test_block_table_buffer_holds_max_model_len_plus_the_decoded_token():
 
 
 def test_graphs_only_on_cuda_with_a_capturable_backend_and_not_under_enforce_eager():
-    assert use_cuda_graphs(CUDA, False, "triton") and use_cuda_graphs(CUDA, False, "flash_attn")
-    assert not use_cuda_graphs(CUDA, True, "triton")
-    assert not use_cuda_graphs(CUDA, False, "torch")  # its store_kvcache syncs the host
-    assert not use_cuda_graphs(CPU, False, "torch")
+    # the classes: their instances would import triton and flash-attn
+    assert use_cuda_graphs(CUDA, False, TritonBackend) and use_cuda_graphs(
+        CUDA, False, FlashAttnBackend
+    )
+    assert not use_cuda_graphs(CUDA, True, TritonBackend)
+    assert not use_cuda_graphs(CUDA, False, TorchBackend)  # its store_kvcache syncs the host
+    assert not use_cuda_graphs(CPU, False, TorchBackend)
 
 
 def decode_metadata(

@@ -28,7 +28,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU i
 
 
 def flash_attn_installed() -> bool:
-    return attention._import_error("flash_attn") is None
+    return attention.import_error("flash_attn") is None
 
 
 def test_kernels_match_torch_reference_under_the_interpreter():

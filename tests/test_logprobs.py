@@ -9,7 +9,8 @@ from conftest import hf_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core import Scheduler, Sequence
-from nanovllm.runner.step_inputs import logits_rows, prepare_inputs
+from nanovllm.core.sequence import logits_rows
+from nanovllm.runner.step_inputs import prepare_inputs
 from nanovllm.sampling.logprobs import find_logprob_rows
 
 BLOCK = 16

@@ -16,7 +16,7 @@ import pytest
 from test_qwen3_parity import expected, make_prompts
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.entrypoints.data_parallel import split_by_tokens
+from nanovllm.distributed.data_parallel import split_by_tokens
 
 SCRIPT = Path(__file__).with_name("torchrun_generate.py")
 HOST = "127.0.0.1"

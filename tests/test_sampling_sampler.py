@@ -21,14 +21,11 @@ from transformers.generation.logits_process import (
 )
 
 from nanovllm.core import Sequence
-from nanovllm.sampling.metadata import TokenCounts, build_sampling_metadata, seed_key
-from nanovllm.sampling.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-)
+from nanovllm.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
+from nanovllm.sampling.ops import apply_min_p, apply_top_k_top_p
+from nanovllm.sampling.penalties import TokenCounts, apply_penalties
+from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.seeded import seed_key
 from nanovllm.sampling_params import SamplingParams
 
 CHI2_999 = {
@@ -58,9 +55,9 @@ def make_seq(params: SamplingParams, prompt=(1, 2, 3), completion=(), eos=()) ->
     return seq
 
 
-def metadata(seqs, vocab: int, counts: TokenCounts | None = None) -> SamplingMetadata:
-    counts = counts or TokenCounts(vocab, torch.device("cpu"))
-    return build_sampling_metadata(seqs, vocab, counts, torch.device("cpu"))
+def metadata(seqs, vocab: int, builder: SamplingMetadataBuilder | None = None) -> SamplingMetadata:
+    builder = builder or SamplingMetadataBuilder(vocab, torch.device("cpu"))
+    return builder.build(seqs)
 
 
 def sample(logits: torch.Tensor, seqs) -> list[int]:
@@ -157,7 +154,7 @@ def test_one_seed_over_many_steps_follows_the_filtered_softmax(setting):
     params = SamplingParams(seed=7, **setting)
     m = metadata([make_seq(params)] * N_DRAWS, len(LOGITS))
     # As one request sees it: step n draws with the key of (seed, n).
-    m.seed_keys = torch.tensor([seed_key(7, step) for step in range(N_DRAWS)])
+    m.seeds.keys = torch.tensor([seed_key(7, step) for step in range(N_DRAWS)])
     tokens = Sampler()(torch.tensor([LOGITS] * N_DRAWS), m).tolist()
     assert_matches_distribution(tokens, reference_distribution(LOGITS, **setting))
 
@@ -240,7 +237,7 @@ def test_work_no_row_asks_for_is_skipped_on_the_host():
     vocab = 100
     greedy_with_filters = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2, seed=1)
     m = metadata([make_seq(greedy_with_filters)] * 3, vocab)
-    assert m.all_greedy and (m.top_k, m.top_p, m.min_p, m.seed_keys) == (None, None, None, None)
+    assert m.all_greedy and (m.top_k, m.top_p, m.min_p, m.seeds) == (None, None, None, None)
     m = metadata(
         [make_seq(SamplingParams(top_k=vocab + 5)), make_seq(SamplingParams(top_k=-1))], vocab
     )
@@ -320,8 +317,7 @@ def test_seeded_and_greedy_rows_draw_the_same_tokens_on_cuda_as_on_the_cpu():
         for p in params
     ]
     on_cpu = Sampler()(logits.clone(), metadata(seqs, vocab))
-    counts = TokenCounts(vocab, torch.device("cuda"))
-    m = build_sampling_metadata(seqs, vocab, counts, torch.device("cuda"))
+    m = SamplingMetadataBuilder(vocab, torch.device("cuda")).build(seqs)
     on_cuda = Sampler()(logits.cuda(), m).cpu()
     # The seeded noise is integer arithmetic, the same bits on both devices.
     assert on_cuda.tolist() == on_cpu.tolist()
@@ -354,11 +350,11 @@ def test_penalties_match_transformers_and_a_plain_reference_as_tokens_arrive():
         make_seq(p, prompt=torch.randint(0, vocab, (n,), generator=g).tolist())
         for p, n in zip(params, (5, 9, 1, 4))
     ]
-    counts = TokenCounts(vocab, torch.device("cpu"))
+    builder = SamplingMetadataBuilder(vocab, torch.device("cpu"))
     for _ in range(6):
         logits = torch.randn(len(seqs), vocab, generator=g) * 2
         logits[:, :3] = 0.0  # a logit of exactly 0 is unchanged by either rule
-        m = metadata(seqs, vocab, counts=counts)
+        m = metadata(seqs, vocab, builder)
         assert m.penalties.rows.tolist() == [0, 1, 2]
         pen = m.penalties
         ours = apply_penalties(

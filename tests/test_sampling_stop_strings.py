@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
-from nanovllm.detokenizer import IncrementalDetokenizer, StopStringChecker, find_stop_string
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, StopStringChecker, find_stop_string
 from nanovllm.sampling_params import SamplingParams
 
 

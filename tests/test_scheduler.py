@@ -236,11 +236,9 @@ def test_generation_stops_at_max_model_len():
 def test_a_request_that_can_never_fit_is_refused_before_it_is_queued():
     sch = make_scheduler(num_blocks=2)
     with pytest.raises(ValueError, match="KV-cache blocks"):  # 9 tokens need 3 blocks
-        sch.check_fits(Sequence(list(range(1, 10)), SamplingParams(max_tokens=1), BS))
+        sch.check_fits(9, max_tokens=1)
     with pytest.raises(ValueError, match="max_model_len"):
-        make_scheduler(max_model_len=8).check_fits(
-            Sequence(list(range(1, 10)), SamplingParams(), BS)
-        )
+        make_scheduler(max_model_len=8).check_fits(9, SamplingParams().max_tokens)
     assert sch.is_finished()
 
 

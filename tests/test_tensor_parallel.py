@@ -19,10 +19,10 @@ from arrivals import mixed_steps, run_with_arrivals
 from test_qwen3_parity import BLOCK, GREEDY, expected, generate, make_prompts
 
 from nanovllm import LLM
+from nanovllm.demo import build_tiny_qwen3
 from nanovllm.distributed.group import TPGroup, tp_group_scope
 from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.models.demo import build_tiny_qwen3
 
 TP2 = dict(tensor_parallel_size=2, kvcache_block_size=BLOCK)
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +169,7 @@ def test_a_step_that_fails_on_rank_0_leaves_the_engine_refusing_to_run(checkpoin
 
     llm = LLM(str(checkpoints["gqa"]), num_kvcache_blocks=32, **TP2)
     worker = worker_processes(llm)[0]
-    llm.model_runner._forward = interrupted  # after the workers got the step's inputs
+    llm.model_runner.forward = interrupted  # runs after the workers got the step's inputs
     with pytest.raises(Interrupted):
         generate(llm, [[1, 2, 3]])
     with pytest.raises(RuntimeError, match="out of step"):

@@ -12,10 +12,10 @@ import torch
 from conftest import hf_greedy, native_library
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.backend import TorchBackend
+from nanovllm.attention.gathered_decode import DECODE_GROUP_SIZE
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.kernels import cpu_build, cpu_decode
-from nanovllm.kernels.torch_attention import DECODE_GROUP_SIZE
 
 
 def naive_decode(q, keys, values, scale):

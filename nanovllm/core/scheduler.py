@@ -11,14 +11,22 @@ is mid-prefill between steps.
 """
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.sequence import FINISHED, PENDING, RUNNING, WAITING, FinishReason, Sequence
+from nanovllm.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus
 from nanovllm.utils import cdiv
 
-if TYPE_CHECKING:  # for annotations only: core never imports transformers (nor torch)
-    from nanovllm.detokenizer import StopStringChecker
+
+class StopStrings(Protocol):
+    """Finds stop strings in a sequence's text (the engine's StopStringChecker: decoding
+    needs the tokenizer, which the control plane never imports)."""
+
+    def check(self, seq: Sequence) -> str | None:
+        """The completion's text before a stop string its new tokens complete, or None."""
+
+    def discard(self, seq_id: int) -> None:
+        """Forget a finished sequence."""
 
 
 class Scheduler:
@@ -29,7 +37,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        stop_strings: "StopStringChecker | None" = None,
+        stop_strings: StopStrings | None = None,
         policy: str = "mixed",
     ):
         self.block_manager = block_manager
@@ -51,17 +59,17 @@ class Scheduler:
         seq.max_num_tokens = min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
         self.waiting.append(seq)
 
-    def check_fits(self, seq: Sequence) -> None:
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Refuse a request that could not run even with the whole cache to itself."""
-        if seq.num_prompt_tokens > self.max_model_len:
+        if num_prompt_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len="
+                f"prompt of {num_prompt_tokens} tokens is longer than max_model_len="
                 f"{self.max_model_len}; shorten it or raise max_model_len"
             )
         # The last sampled token never needs KV; the length is capped at max_model_len.
-        max_tokens = seq.sampling_params.max_tokens or self.max_model_len
+        max_tokens = max_tokens or self.max_model_len
         final_len = min(
-            seq.num_prompt_tokens + max_tokens, max(self.max_model_len, seq.num_prompt_tokens + 1)
+            num_prompt_tokens + max_tokens, max(self.max_model_len, num_prompt_tokens + 1)
         )
         num_blocks = cdiv(final_len - 1, self.block_manager.block_size)
         if num_blocks > self.block_manager.num_blocks:
@@ -82,15 +90,14 @@ class Scheduler:
             # just freed would otherwise go to a prompt the next decode step preempts again.
             admit = self.num_preemptions == preemptions
             seqs += self._schedule_prefill(self.max_num_batched_tokens - len(seqs), admit)
-        if (
-            not seqs
-            and not self.is_finished()
-            and not any(  # none waits for a token in flight
-                seq.last_token == PENDING for seq in (*self.running, *self.waiting)
-            )
-        ):
+        if not seqs and self._stalled():
             raise RuntimeError("scheduler found no runnable sequence although requests are pending")
         return seqs
+
+    def _stalled(self) -> bool:
+        """Requests are pending and none waits for a token in flight (async scheduling)."""
+        pending = (*self.running, *self.waiting)
+        return bool(pending) and not any(seq.last_token == PENDING for seq in pending)
 
     def _schedule_decode(self) -> list[Sequence]:
         """A token per decoding sequence, oldest first; preempts the newest if no block is free."""
@@ -99,7 +106,7 @@ class Scheduler:
         for seq in list(self.running):
             if len(batch) == limit:
                 break
-            if seq.is_prefill or seq.status is not RUNNING:
+            if seq.is_prefill or seq.status is not SequenceStatus.RUNNING:
                 continue  # mid-prefill, or preempted meanwhile
             if seq.last_token == PENDING and seq.num_tokens >= seq.max_num_tokens:
                 continue  # its token still being computed is its last (async scheduling)
@@ -135,7 +142,7 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq, cached_blocks)
             self.waiting.popleft()
-            seq.status = RUNNING
+            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= self._schedule_chunk(seq, budget)
             batch.append(seq)
@@ -151,7 +158,7 @@ class Scheduler:
         self.running.remove(seq)  # the newest: at the end, found at once
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
-        seq.status = WAITING
+        seq.status = SequenceStatus.WAITING
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
@@ -162,7 +169,7 @@ class Scheduler:
         token until accept(). With async scheduling the next step is scheduled in between."""
         block_size = self.block_manager.block_size
         for seq in seqs:
-            if seq.status is FINISHED:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # ended while this step was being scheduled (async scheduling)
             start = seq.num_cached_tokens
             seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
@@ -178,12 +185,12 @@ class Scheduler:
         One that ended meanwhile (finished or aborted one step earlier) drops its token."""
         accepted, any_finished = [], False
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            if seq.last_token != PENDING or seq.status is FINISHED:
+            if seq.last_token != PENDING or seq.status is SequenceStatus.FINISHED:
                 continue
             seq.token_ids[-1] = seq.last_token = token_id
             accepted.append(seq)
             if (reason := self._finish_reason(seq, token_id)) is not None:
-                if seq.status is WAITING:  # preempted while its token was computed
+                if seq.status is SequenceStatus.WAITING:  # preempted while its token was computed
                     self.waiting.remove(seq)
                 self._finish(seq, reason)
                 any_finished = True
@@ -210,7 +217,7 @@ class Scheduler:
             seq.num_tokens -= 1
             seq.last_token = seq.token_ids[-1]
         seq.num_scheduled_tokens = 0
-        seq.status = FINISHED
+        seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
         if seq.sampling_params.stop:
@@ -220,7 +227,7 @@ class Scheduler:
         """Drop a pending request (its n sequences), freeing their blocks; False if not pending."""
         seqs = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
         for seq in seqs:  # O(n), but aborting is rare and off the step path
-            (self.waiting if seq.status is WAITING else self.running).remove(seq)
+            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
             self._finish(seq, FinishReason.ABORT)
         return bool(seqs)
 

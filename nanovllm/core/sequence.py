@@ -24,9 +24,6 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-WAITING, RUNNING, FINISHED = SequenceStatus  # in order; as globals: read 7x faster than members
-
-
 class FinishReason(Enum):
     """Why a sequence finished, in vLLM's words (`.value` is what outputs report)."""
 
@@ -73,7 +70,7 @@ class Sequence:
     ):
         """n > 1: `parent` is the request's first sequence, `index` which completion this is."""
         self.seq_id = next(Sequence._next_id)
-        self.status = WAITING
+        self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.last_token = self.token_ids[-1]
         self.num_tokens = self.num_prompt_tokens = len(self.token_ids)
@@ -101,7 +98,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def num_completion_tokens(self) -> int:
@@ -131,3 +128,11 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+
+
+def logits_rows(seqs: list[Sequence]) -> list[int] | None:
+    """Logits rows per sequence: its whole chunk while prompt logprobs are owed, else its
+    last; None when every sequence gets one."""
+    if not any(seq.prompt_logprobs is not None and seq.needs_prompt_logits for seq in seqs):
+        return None
+    return [seq.num_scheduled_tokens if seq.needs_prompt_logits else 1 for seq in seqs]

@@ -7,7 +7,6 @@ group is a single rank. The collectives call the backend object itself: torch.di
 functions look ranks up in a registry our groups are not in.
 """
 
-import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,23 +44,6 @@ class TPGroup:
         outputs = [shards] if shards is not None else []  # only the root receives
         self.process_group.gather(outputs, [x.contiguous()], opts).wait()
         return torch.cat(shards, dim=-1) if shards is not None else None
-
-    def all_gather_objects(self, obj: object, device: torch.device) -> list[object]:
-        """Every rank's `obj`, in rank order, on every rank (pickled; `device`: the backend's)."""
-        if self.size == 1:
-            return [obj]
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.size)]
-        length = torch.tensor([data.numel()], device=device)
-        self.process_group.allgather([sizes], [length]).wait()
-        padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8, device=device)
-        padded[: data.numel()] = data
-        shards = [torch.empty_like(padded) for _ in range(self.size)]
-        self.process_group.allgather([shards], [padded]).wait()
-        return [
-            pickle.loads(shard[: int(size.item())].cpu().numpy().tobytes())
-            for shard, size in zip(shards, sizes)
-        ]
 
     def shutdown(self) -> None:
         """Release the backend (NCCL communicators, sockets); no collective after. Every

@@ -6,12 +6,14 @@ tensor-parallel group samples and broadcasts the tokens. Ranks are laid out
 """
 
 import os
+import pickle
 from dataclasses import dataclass
 from itertools import count
 
 import torch
 import torch.distributed as dist
 
+from nanovllm.distributed import launched_by_torchrun
 from nanovllm.distributed.group import GROUP_TIMEOUT, SINGLE_RANK, TPGroup, join_tp_group
 
 _engine_ids = count()  # every rank builds its engines in the same order: ids agree
@@ -30,7 +32,7 @@ class Torchrun:
 def torchrun_launch(tp_size: int, dp_size: int) -> Torchrun | None:
     """This process's place in torchrun's world, or None when not launched by it; a world
     that is not tp_size * dp_size ranks is refused (before any weight loads)."""
-    if not all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+    if not launched_by_torchrun():
         return None
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != tp_size * dp_size:
@@ -66,3 +68,22 @@ def join_replica_tp_group(launch: Torchrun, store: dist.Store, device: torch.dev
     return join_tp_group(
         dist.PrefixStore(f"tp{launch.dp_rank}", store), launch.tp_rank, launch.tp_size, device
     )
+
+
+def all_gather_objects(group: TPGroup, obj: object, device: torch.device) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank (pickled; `device`: the backend's): how
+    torchrun's ranks, each running the engine, share rank 0's tokens and the replicas' outputs."""
+    if group.size == 1:
+        return [obj]
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(group.size)]
+    length = torch.tensor([data.numel()], device=device)
+    group.process_group.allgather([sizes], [length]).wait()
+    padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    shards = [torch.empty_like(padded) for _ in range(group.size)]
+    group.process_group.allgather([shards], [padded]).wait()
+    return [
+        pickle.loads(shard[: int(size.item())].cpu().numpy().tobytes())
+        for shard, size in zip(shards, sizes)
+    ]

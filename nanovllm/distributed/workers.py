@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from time import monotonic
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,38 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.distributed.group import GROUP_TIMEOUT, TPGroup, join_tp_group
 
+if TYPE_CHECKING:
+    from nanovllm.distributed.launch import Torchrun
+
 HOST = "127.0.0.1"  # every rank runs on this machine
 JOIN_TIMEOUT_S = 5.0  # shutdown waits this long for a worker, then terminates it
 JOINED = "worker/{}/joined"  # a spawned rank's key in rank 0's store once it is in
+
+
+def init_tensor_parallel(
+    config: Config,
+    device: torch.device,
+    rank: int,
+    port: int,
+    launch: "Torchrun | None",
+    runner_cls: type,
+) -> tuple[TPGroup, "WorkerGroup | None"]:
+    """This rank's TP group, and on rank 0 its handle on the spawned ranks 1..N-1 (each builds
+    `runner_cls(config, rank, port)`). Under torchrun every rank joins its replica's group."""
+    if not dist.is_available():
+        raise ValueError(
+            "tensor_parallel_size > 1 needs torch.distributed, which this PyTorch build lacks"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if launch is not None:
+        from nanovllm.distributed.launch import engine_store, join_replica_tp_group
+
+        return join_replica_tp_group(launch, engine_store(launch), device), None
+    if rank > 0:
+        return connect_worker(port, rank, config.tensor_parallel_size, device), None
+    workers = WorkerGroup.spawn(config, device, runner_cls)
+    return workers.tp_group, workers
 
 
 def connect_worker(port: int, rank: int, world_size: int, device: torch.device) -> TPGroup:

@@ -79,7 +79,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import uvicorn
 
     from nanovllm.engine import LLMEngine
-    from nanovllm.entrypoints.async_engine import AsyncEngine
+    from nanovllm.engine.async_engine import AsyncEngine
     from nanovllm.entrypoints.openai_server import Server, build_app
 
     options = {

@@ -1,17 +1,17 @@
 """The offline entry point (vLLM's home for it too), `from nanovllm import LLM, SamplingParams`:
 generate() and chat() return vLLM's RequestOutputs, which also answer nano-vLLM's out["text"],
-out["token_ids"]. Like the server, it never reaches into the scheduler."""
+out["token_ids"]. Like the server, it uses only the engine's public API."""
 
+from functools import partial
 from numbers import Integral
 from time import perf_counter
 
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.core import Sequence
 from nanovllm.engine import LLMEngine, Prompt
-from nanovllm.entrypoints.data_parallel import split_by_tokens, start_replicas
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.engine.llm_engine import EngineRequest
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -21,8 +21,11 @@ class LLM(LLMEngine):
 
     def __init__(self, model: str, **kwargs) -> None:
         super().__init__(model, **kwargs)
-        # data_parallel_size > 1: generate() shares prompts with the other replicas
-        self.replicas = start_replicas(self.config, self.model_runner.launch)
+        self.replicas = None  # data_parallel_size > 1: the other engines generate() shares with
+        if self.config.data_parallel_size > 1:
+            from nanovllm.distributed.data_parallel import start_replicas
+
+            self.replicas = start_replicas(self.config, type(self))
 
     def generate(
         self,
@@ -33,65 +36,55 @@ class LLM(LLMEngine):
         """Run every prompt to completion; a RequestOutput per prompt, in prompt order.
         Every prompt is checked before any is queued: one bad prompt rejects the call with
         an error naming its index."""
-        self._check_open()
+        self.check_open()
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
-        requests = [
-            self._make_sequences(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))
-        ]
-        if self.replicas is None:
-            return self._generate(prompts, requests, use_tqdm)
-        return self._generate_on_replicas(prompts, params, requests, use_tqdm)
+        requests = [self.make_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        if self.replicas is not None:
+            generate_here = partial(self._generate, use_tqdm=use_tqdm)
+            return self.replicas.generate(prompts, params, requests, generate_here)
+        return self._generate(requests, use_tqdm)
 
-    def _generate_on_replicas(
-        self,
-        prompts: list[Prompt],
-        params: list[SamplingParams | None],
-        requests: list[list[Sequence]],
-        use_tqdm: bool,
-    ) -> list[RequestOutput]:
-        """data_parallel_size > 1: each replica runs its share (this one too); all outputs
-        come back in prompt order."""
-        shares = split_by_tokens(
-            [self._cost(seqs) for seqs in requests], self.config.data_parallel_size
-        )
-        self.replicas.dispatch(shares, prompts, params)
-        mine = shares[self.replicas.rank]
+    def _generate(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
+        ids = [self.add_request(request) for request in requests]
+        num_completions = sum(request.sampling_params.n for request in requests)
         try:
-            local = self._generate(
-                [prompts[i] for i in mine], [requests[i] for i in mine], use_tqdm
-            )
-        except BaseException:
-            self.replicas.gather([])  # take the others' outputs: none is left for the next call
-            raise
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
-        for share, replica_outputs in zip(shares, self.replicas.gather(local)):
-            for i, output in zip(share, replica_outputs):
-                outputs[i] = output
-        return outputs
-
-    def _cost(self, seqs: list[Sequence]) -> int:
-        """The most tokens a request may hold in the cache, over its n sequences."""
-        max_len = self.config.max_model_len
-        max_tokens = seqs[0].sampling_params.max_tokens or max_len
-        return len(seqs) * min(max_len, seqs[0].num_prompt_tokens + max_tokens)
-
-    def _generate(
-        self, prompts: list[Prompt], requests: list[list[Sequence]], use_tqdm: bool
-    ) -> list[RequestOutput]:
-        for seqs in requests:
-            self._queue(seqs)
-        try:
-            outputs = self._run_to_completion(
-                {seqs[0].seq_id: len(seqs) for seqs in requests}, use_tqdm
-            )
+            outputs = self._run_to_completion(set(ids), num_completions, use_tqdm)
         except BaseException:  # e.g. KeyboardInterrupt: leave no request of ours behind
-            for seqs in requests:
-                self.abort_request(seqs[0].seq_id)
+            for request_id in ids:
+                self.abort_request(request_id)
             raise
-        return [
-            self._request_output(prompt, seqs, outputs) for prompt, seqs in zip(prompts, requests)
-        ]
+        return [outputs[request_id] for request_id in ids]
+
+    def _run_to_completion(
+        self, ids: set[int], num_completions: int, use_tqdm: bool
+    ) -> dict[int, RequestOutput]:
+        """Step until the engine is idle; the RequestOutputs of `ids`, by id. The progress bar
+        counts completions and shows the last prefill and decode step's throughput."""
+        outputs: dict[int, RequestOutput] = {}
+        bar = tqdm(
+            total=num_completions, desc="Generating", dynamic_ncols=True, disable=not use_tqdm
+        )
+        prefill_speed = decode_speed = 0.0
+        with bar:
+            while not self.is_finished():
+                start = perf_counter()
+                out = self.step()
+                elapsed = perf_counter() - start
+                if out.num_prefill_tokens:
+                    prefill_speed = out.num_prefill_tokens / elapsed
+                if out.num_decode_tokens:
+                    decode_speed = out.num_decode_tokens / elapsed
+                bar.set_postfix(
+                    prefill=f"{prefill_speed:.0f}tok/s",
+                    decode=f"{decode_speed:.0f}tok/s",
+                    refresh=False,
+                )
+                bar.update(sum(output.seq_id in ids for output in out.finished))
+                for output in out.finished_requests:
+                    if int(output.request_id) in ids:
+                        outputs[int(output.request_id)] = output
+        return outputs
 
     def chat(
         self,
@@ -109,27 +102,19 @@ class LLM(LLMEngine):
                 "messages must be a conversation (a list of {'role', 'content'} "
                 "dicts) or a list of conversations"
             )
-        texts = [
-            self.tokenizer.apply_chat_template(
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
-            for conversation in ([messages] if isinstance(messages[0], dict) else messages)
-        ]
-        return self.generate(
-            [
-                {
-                    "prompt": text,
-                    "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
-                }
-                for text in texts
-            ],
-            sampling_params,
-            use_tqdm,
-        )
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -139,56 +124,6 @@ class LLM(LLMEngine):
         if replicas is not None:
             replicas.close()
         super().close()
-
-    def _request_output(
-        self, prompt: Prompt, seqs: list[Sequence], outputs: dict[tuple[int, int], CompletionOutput]
-    ) -> RequestOutput:
-        first = seqs[0]
-        text = (
-            prompt
-            if isinstance(prompt, str)
-            else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-        )
-        return RequestOutput(
-            str(first.seq_id),
-            text,
-            first.token_ids[: first.num_prompt_tokens],
-            self.decode_logprobs(first.prompt_logprobs),
-            [outputs[first.seq_id, seq.index] for seq in seqs],
-            finished=True,
-            num_cached_tokens=max(0, first.num_prefix_cached_tokens),
-        )
-
-    def _run_to_completion(
-        self, requests: dict[int, int], use_tqdm: bool
-    ) -> dict[tuple[int, int], CompletionOutput]:
-        """Step until the engine is idle; the outputs of `requests` (id -> n) by (id, index)."""
-        outputs: dict[tuple[int, int], CompletionOutput] = {}
-        with tqdm(
-            total=sum(requests.values()),
-            desc="Generating",
-            dynamic_ncols=True,
-            disable=not use_tqdm,
-        ) as bar:
-            prefill_speed = decode_speed = 0.0
-            while not self.is_finished():
-                start = perf_counter()
-                out = self.step()
-                elapsed = perf_counter() - start
-                if out.num_prefill_tokens:
-                    prefill_speed = out.num_prefill_tokens / elapsed
-                if out.num_decode_tokens:
-                    decode_speed = out.num_decode_tokens / elapsed
-                bar.set_postfix(
-                    prefill=f"{prefill_speed:.0f}tok/s",
-                    decode=f"{decode_speed:.0f}tok/s",
-                    refresh=False,
-                )
-                for output in out.finished:
-                    if output.seq_id in requests:
-                        outputs[output.seq_id, output.index] = output
-                        bar.update(1)
-        return outputs
 
 
 def as_prompt_list(prompts: object) -> list[Prompt]:

@@ -28,8 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
+from nanovllm.engine.async_engine import AsyncEngine, Delta, RequestStream
 from nanovllm.entrypoints import protocol
-from nanovllm.entrypoints.async_engine import AsyncEngine, Delta, RequestStream
 from nanovllm.entrypoints.protocol import ResponseHead, error_body
 from nanovllm.sampling_params import SamplingParams
 

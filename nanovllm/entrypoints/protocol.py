@@ -14,7 +14,7 @@ import time
 import uuid
 from numbers import Integral
 
-from nanovllm.entrypoints.async_engine import Delta
+from nanovllm.engine.async_engine import Delta
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import check_bool, check_int, check_number

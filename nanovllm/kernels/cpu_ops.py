@@ -1,7 +1,7 @@
 """RMSNorm (alone or after the residual add) and rotary embedding on a CPU, one native call
 each (cpu_ops.cpp, built as kernels/cpu_build.py says) instead of PyTorch's 5-10 small ops.
 
-Each function is the CPU twin of a HotOp of layers/ (`@hot_op(native=...)`): it is given that
+Each function is the CPU twin of an eager op of layers/ (`@hot_op(native=...)`): it is given that
 op's eager function first and returns exactly what it would, bit for bit in float32 and
 bfloat16; for what the C++ does not cover (another dtype, a layout it does not index, no
 compiler) it calls the eager function. What is left of a call at decode sizes is mostly its
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.compilation import HotOp
 from nanovllm.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -90,11 +89,6 @@ def load() -> ctypes.CDLL | None:
         )
         library.nanovllm_rotary.restype = _I64
     return library
-
-
-def hot_op(native: Callable) -> Callable[[Callable], HotOp]:
-    """`@hot_op(native=twin)` on an eager op: a HotOp whose CPU layers call twin(eager, *args)."""
-    return lambda eager: HotOp(eager, functools.partial(native, eager))
 
 
 def rms_norm(eager: Callable, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

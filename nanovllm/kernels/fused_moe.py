@@ -19,11 +19,11 @@ be captured in a CUDA graph. models/moe.py's fused_moe_torch is the reference.
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.layout import assert_index, assert_rows, interpreted
-from nanovllm.layers.activation import silu_and_mul
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def fused_moe(
     sorted_ids, expert_ids = align_by_expert(topk_ids, w13.shape[0], block_m)
     gate_up = _grouped_gemm(hidden_states, w13, sorted_ids, expert_ids, top_k, None, block_m)
     down = _grouped_gemm(
-        silu_and_mul.eager(gate_up), w2, sorted_ids, expert_ids, 1, topk_weights, block_m
+        _silu_and_mul(gate_up), w2, sorted_ids, expert_ids, 1, topk_weights, block_m
     )
     return down.view(num_tokens, top_k, -1).sum(dim=1)
 
@@ -198,3 +198,10 @@ def check_moe_args(
     assert hidden_states.is_contiguous() and topk_weights.is_contiguous(), (
         "hidden_states and topk_weights must be contiguous"
     )
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU between the projections: silu(gate) * up, [num_pairs, 2 * I] -> [num_pairs, I]
+    (layers/activation.py's op, repeated here: a kernel module imports nothing of layers/)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,14 +1,10 @@
 """Paged attention in plain PyTorch on any device (shapes: attention.AttentionBackend): the
 reference the Triton kernels are tested against, and the `torch` backend's compute. Prefill: one
 SDPA per sequence over its chunk and cached prefix. Decode: SDPA over a dense copy of the K/V
-rows in use, sequences in groups (decode_groups)."""
-
-from typing import NamedTuple
+rows in use, for a group of sequences (attention/torch_backend.py plans the groups)."""
 
 import torch
 import torch.nn.functional as F
-
-from nanovllm.utils import cdiv
 
 
 def store_kvcache(
@@ -55,85 +51,29 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    groups: list["DecodeGroup"],
+    slots: torch.Tensor,
+    mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [num_seqs, heads, dim], one query per sequence; `groups` from decode_groups()."""
-    if groups[0].rows is None:
-        return _decode_group(q, k_cache, v_cache, groups[0], scale)
-    out = torch.empty_like(q)
-    for g in groups:
-        out.index_copy_(0, g.rows, _decode_group(q[g.rows], k_cache, v_cache, g, scale))
-    return out
-
-
-def decode_groups(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
-) -> list["DecodeGroup"]:
-    """A decode step's plan, the same for every layer. CPU: groups by context length, each
-    padded to its own longest, small enough to stay in cache (several times faster than one
-    padded batch of 128). Elsewhere one group of static shape: no host sync, capturable."""
-    lens, n = context_lens, DECODE_GROUP_SIZE
-    if lens.device.type != "cpu":
-        width = block_tables.shape[1] * block_size
-        return [DecodeGroup(None, *slot_matrix(block_tables, lens, width, block_size))]
-    lens, order = lens.sort(descending=True)
-    host_lens = lens.tolist()
-    slots, valid = slot_matrix(block_tables.index_select(0, order), lens, host_lens[0], block_size)
-    return [
-        DecodeGroup(
-            order[i : i + n],
-            slots[i : i + n, : host_lens[i]].contiguous(),
-            valid[i : i + n, ..., : host_lens[i]],
-        )
-        for i in range(0, len(host_lens), n)
-    ]
-
-
-DECODE_GROUP_SIZE = 8
-
-
-class DecodeGroup(NamedTuple):
-    """Rows of the batch that decode in one attention call."""
-
-    rows: torch.Tensor | None  # [n] their batch rows, longest context first; None: all, as is
-    slots: torch.Tensor  # [n, max_len] cache slot of each context token (padding: 0)
-    mask: torch.Tensor  # [n, 1, 1, max_len] True for real tokens
-
-
-def slot_matrix(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache slots of each sequence's first max_len positions [n, max_len] (0 past its
-    context), and which are real [n, 1, 1, max_len]."""
-    pos = torch.arange(max_len, device=context_lens.device)
-    blocks = block_tables.index_select(1, pos // block_size).long()
-    valid = pos < context_lens[:, None]
-    slots = (blocks * block_size + pos % block_size).masked_fill_(~valid, 0)
-    return slots, valid[:, None, None, :]
-
-
-def _decode_group(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
-) -> torch.Tensor:
-    """q [n, heads, dim] -> [n, heads, dim], one query per sequence."""
-    n, max_len = group.slots.shape
+    """q [n, heads, dim] -> [n, heads, dim], one query per sequence over the cache rows
+    `slots` [n, max_len] (padding: any valid slot) where `mask` [n, 1, 1, max_len] is True."""
+    n, max_len = slots.shape
     # [n, num_kv_heads, max_len, head_dim]: a copy of only the rows in use (index_select,
     # not cache[slots]: several times faster on the CPU)
     k, v = (
         cache.flatten(0, 1)
-        .index_select(0, group.slots.view(-1))
+        .index_select(0, slots.view(-1))
         .view(n, max_len, *cache.shape[2:])
         .transpose(1, 2)
         for cache in (k_cache, v_cache)
     )
-    return _sdpa_gqa(q.unsqueeze(2), k, v, group.mask, scale).squeeze(2)
+    return _sdpa_gqa(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens' rows of one sequence: [length, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    blocks = block_table[: cdiv(length, block_size)].long()
+    blocks = block_table[: -(-length // block_size)].long()
     return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 

@@ -3,15 +3,15 @@ rope_theta ** (-2i / head_dim), or Llama 3.1's scaling of it (`llama3`). Layers 
 RoPE share one [max_position, 2, head_dim] cos/sin cache (Qwen3's: 40 MiB)."""
 
 import json
-import math
 import weakref
 
 import torch
 from torch import nn
 
+from nanovllm.compilation import hot_op
 from nanovllm.kernels import cpu_ops
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_TYPES = ("default", "llama3")  # llama3: Llama 3.1's scaling (rope_scaling.py)
 # (head_dim, max_position, parameters, device) -> the cos/sin cache layers of it share; a
 # cache lives as long as a model holds it.
 _CACHES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
@@ -31,7 +31,7 @@ class RotaryEmbedding(nn.Module):
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
-@cpu_ops.hot_op(native=cpu_ops.apply_rotary_emb)
+@hot_op(native=cpu_ops.apply_rotary_emb)
 def apply_rotary_emb(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,19 +46,14 @@ def apply_rotary_emb(
 def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
     """A layer's RoPE; an unsupported rope_type or a missing parameter is a ValueError."""
     rope_type = rope_parameters.get("rope_type", "default")
-    if rope_type not in _INV_FREQ:
+    if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: "
-            f"{', '.join(map(repr, _INV_FREQ))}"
+            f"{', '.join(map(repr, ROPE_TYPES))}"
         )
     partial = rope_parameters.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported; only 1.0 is")
-    missing = [name for name in _LLAMA3_KEYS if name not in rope_parameters]
-    if rope_type == "llama3" and missing:
-        raise ValueError(
-            f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling (rope_parameters)"
-        )
     key = (
         head_dim,
         max_position,
@@ -66,31 +61,18 @@ def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryE
         str(torch.get_default_device()),
     )
     if (cache := _CACHES.get(key)) is None:
-        inv_freq = _INV_FREQ[rope_type](head_dim, rope_parameters)
+        inv_freq = default_inv_freq(head_dim, rope_parameters)
+        if rope_type == "llama3":
+            from nanovllm.layers.rope_scaling import llama3_inv_freq
+
+            inv_freq = llama3_inv_freq(inv_freq, rope_parameters)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         cache = _CACHES[key] = torch.stack((torch.cat((cos, cos), 1), torch.cat((-sin, sin), 1)), 1)
     return RotaryEmbedding(cache)
 
 
-def _default_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+def default_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """rope_theta ** (-2i / head_dim), i < head_dim / 2."""
     base = float(params["rope_theta"])
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-
-
-def _llama3_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """Wavelengths above original_max_position_embeddings / low_freq_factor divided by factor,
-    below .../high_freq_factor kept, smoothed between; HF's code step for step (same rounding)."""
-    inv_freq = _default_inv_freq(head_dim, params)
-    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    old_context_len = params["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-_INV_FREQ = {"default": _default_inv_freq, "llama3": _llama3_inv_freq}

@@ -12,8 +12,8 @@ an optionally tied LM head. The families differ only where DecoderFlags says:
     Mistral   no         no                no                no
 
 A family is a subclass of DecoderForCausalLM that says its flags (and, for MoE, which
-layers get which MLP). Options none of them implements are refused by name when the
-model is built, before any weight is loaded.
+layers get which MLP). Options none of them implements are refused by name with the
+engine's Config (config.py's check_model_config), before any weight is loaded.
 """
 
 from dataclasses import dataclass
@@ -143,7 +143,6 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        check_supported(config)
         flags = self.flags(config)
         mlps = [self.make_mlp(config, flags, i) for i in range(config.num_hidden_layers)]
         self.model = DecoderModel(config, flags, mlps)
@@ -163,14 +162,3 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)
-
-
-def check_supported(config: PretrainedConfig) -> None:
-    """What no family here implements, refused by name (RoPE types: get_rope; a sliding
-    window narrower than max_model_len: Config)."""
-    if config.hidden_act != "silu":
-        raise ValueError(
-            f"hidden_act {config.hidden_act!r} is not supported; only 'silu' (SwiGLU) is"
-        )
-    if getattr(config, "quantization_config", None):
-        raise ValueError("quantization_config is set: quantized checkpoints are not supported")

@@ -17,7 +17,6 @@ import json
 import os
 from collections import defaultdict
 
-import torch
 from safetensors import safe_open
 from torch import nn
 
@@ -139,19 +138,3 @@ def _is_tied(model: nn.Module) -> bool:
     lm_head = getattr(model, "lm_head", None)
     embed = model.get_submodule("model.embed_tokens") if hasattr(model, "model") else None
     return lm_head is not None and embed is not None and lm_head.weight is embed.weight
-
-
-@torch.no_grad()
-def load_dummy_weights(model: nn.Module, initializer_range: float = 0.02, seed: int = 0) -> None:
-    """Random weights from the config alone (vLLM's load_format='dummy'): norms are 1,
-    biases 0, other matrices N(0, initializer_range)."""
-    generator = None
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:
-            if generator is None:
-                generator = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, initializer_range, generator=generator)

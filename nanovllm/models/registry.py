@@ -1,26 +1,30 @@
-"""config.json's `architectures[0]` -> the model class that implements it."""
+"""config.json's `architectures[0]` -> the model class that implements it. Only the chosen
+family's module is imported: a Qwen3 run never loads the MoE code."""
+
+import importlib
 
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.models.llama import LlamaForCausalLM
-from nanovllm.models.mistral import MistralForCausalLM
-from nanovllm.models.qwen2 import Qwen2ForCausalLM
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
-
-MODELS: dict[str, type[nn.Module]] = {
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
+# architecture -> (module under nanovllm.models, class)
+MODELS: dict[str, tuple[str, str]] = {
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
 }
 
 
-def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+def architecture(hf_config: PretrainedConfig) -> str:
+    """The checkpoint's architecture name; a ValueError when no family here implements it."""
     architectures = getattr(hf_config, "architectures", None) or []
     name = architectures[0] if architectures else None
     if name not in MODELS:
         raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(MODELS)}")
-    return MODELS[name]
+    return name
+
+
+def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+    module, cls = MODELS[architecture(hf_config)]
+    return getattr(importlib.import_module(f"nanovllm.models.{module}"), cls)

@@ -16,22 +16,12 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
-from nanovllm.utils import cdiv
-
-
-def use_cuda_graphs(device: torch.device, enforce_eager: bool, backend: str) -> bool:
-    """Only backends whose decode has no host sync can be captured."""
-    return device.type == "cuda" and not enforce_eager and backend in ("triton", "flash_attn")
+from nanovllm.runner.kv_cache import block_table_width
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
     limit = min(max_num_seqs, 512)
     return [n for n in (1, 2, 4, 8) if n < limit] + list(range(16, limit, 16)) + [limit]
-
-
-def block_table_width(max_model_len: int, block_size: int) -> int:
-    """Blocks of the longest sequence a decode step can see, plus the token it decodes."""
-    return cdiv(max_model_len + 1, block_size)
 
 
 class CUDAGraphRunner:
@@ -118,6 +108,10 @@ class CUDAGraphRunner:
 
     def _forward(self, size: int) -> None:
         self.outputs[:size] = self.model(self.input_ids[:size], self.positions[:size])
+
+    def can_run(self, num_seqs: int) -> bool:
+        """A decode batch this large replays a graph (a larger one runs eagerly)."""
+        return num_seqs <= self.batch_sizes[-1]
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, ForwardContext
-from nanovllm.core.sequence import Sequence
-from nanovllm.runner.device import to_device
+from nanovllm.core.sequence import Sequence, logits_rows
+from nanovllm.device import to_device
 
 
 class StepInputs(NamedTuple):
@@ -87,14 +87,6 @@ def _block_tables(seqs: list[Sequence]) -> np.ndarray:
         b"".join([seq.block_table for seq in seqs]), np.intc
     )
     return padded
-
-
-def logits_rows(seqs: list[Sequence]) -> list[int] | None:
-    """Logits rows per sequence: its whole chunk while prompt logprobs are owed, else its
-    last; None when every sequence gets one."""
-    if not any(seq.prompt_logprobs is not None and seq.needs_prompt_logits for seq in seqs):
-        return None
-    return [seq.num_scheduled_tokens if seq.needs_prompt_logits else 1 for seq in seqs]
 
 
 def _logits_indices(seqs: list[Sequence], lens_q: list[int]) -> torch.Tensor:

@@ -9,9 +9,27 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.core.sequence import Sequence
+from nanovllm.core.sequence import Sequence, logits_rows
+from nanovllm.device import to_device
 from nanovllm.outputs import Logprob
-from nanovllm.runner.device import to_device
+from nanovllm.sampling.metadata import SamplingMetadataBuilder
+from nanovllm.sampling.sampler import Sampler, SamplerOutput
+
+
+def sample_with_logprobs(
+    sampler: Sampler, metadata: SamplingMetadataBuilder, seqs: list[Sequence], logits: torch.Tensor
+) -> SamplerOutput:
+    """The sampling step when a sequence of the batch asks for logprobs: they are taken from
+    the raw logits first (the sampler overwrites them), then gathered at the sampled tokens."""
+    rows = logits_rows(seqs)
+    asked = find_logprob_rows(seqs, rows)
+    raw = None if asked is None else raw_logprobs(logits, asked)
+    if rows is not None:  # prompt rows too: each sequence samples from its last
+        logits = logits[to_device(torch.tensor(rows).cumsum(0) - 1, logits.device)]
+    token_ids = sampler(logits, metadata.build(seqs))
+    if asked is None:
+        return SamplerOutput(token_ids)
+    return SamplerOutput(token_ids, *collect_logprobs(asked, raw, token_ids, len(seqs)))
 
 
 class LogprobRows(NamedTuple):

@@ -3,22 +3,25 @@
     logit bias (min_tokens: stop ids -inf) -> penalties -> [greedy rows: argmax]
                                            -> temperature -> top-k -> top-p -> min-p -> sample
 
-Each step's math is an op of kernels/sampling_ops.py; sampling there is the exponential race
-(unseeded CPU rows: the inverse CDF), a seeded row's noise a hash of (seed, step, token id)."""
+Each step's math is an op of sampling/ops.py (penalties: penalties.py); sampling there is the
+exponential race (unseeded CPU rows: the inverse CDF), a seeded row's noise a hash of (seed,
+step, token id) (seeded.py)."""
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from nanovllm.kernels.sampling_ops import (
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    inverse_cdf,
-    seeded_exponentials,
-    softmax_race,
-    unseeded_noise,
-)
 from nanovllm.sampling.metadata import SamplingMetadata
+from nanovllm.sampling.ops import apply_min_p, apply_top_k_top_p, inverse_cdf, softmax_race
+
+
+class SamplerOutput(NamedTuple):
+    """A step's sampled tokens (rank 0's), and the logprobs its sequences asked for."""
+
+    token_ids: torch.Tensor | list[int]  # [num_seqs]; ModelRunner.run returns them as a list
+    logprobs: list[dict | None] | None = None  # per sequence: its sampled token's entry
+    prompt_logprobs: list[list[dict]] | None = None  # per sequence: its new prompt entries
 
 
 class Sampler(nn.Module):
@@ -34,10 +37,7 @@ class Sampler(nn.Module):
             rows, ids, values = m.bias
             logits[rows, ids] += values
         if m.penalties is not None:
-            p = m.penalties
-            logits[p.rows] = apply_penalties(
-                logits[p.rows], p.output_counts, p.in_prompt, p.repetition, p.presence, p.frequency
-            )
+            m.penalties.apply(logits)
         greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
         if m.all_greedy:
             return greedy_ids
@@ -46,11 +46,10 @@ class Sampler(nn.Module):
             logits = apply_top_k_top_p(logits, m.top_k, m.max_top_k, m.top_p)
         if m.min_p is not None:
             logits = apply_min_p(logits, m.min_p)
-        if m.seed_keys is None:
-            sampled = inverse_cdf(logits) if logits.is_cpu else self._softmax_race(logits)
-        else:  # seeded rows' noise is a function of (seed key, token id), the others' unseeded
-            probs = torch.softmax(logits, dim=-1)
-            noise = torch.empty_like(probs) if m.all_seeded else unseeded_noise(probs)
-            noise[m.seeded_rows] = seeded_exponentials(m.seed_keys, probs.shape[1])
-            sampled = (probs / noise).argmax(dim=-1)
+        if m.seeds is not None:  # a seeded row's noise is a hash of (seed, step, token id)
+            sampled = m.seeds.sample(logits)
+        elif logits.is_cpu:
+            sampled = inverse_cdf(logits)
+        else:
+            sampled = self._softmax_race(logits)
         return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)

@@ -29,7 +29,7 @@ BF16 = torch.bfloat16
 
 
 def flash_backend():
-    from nanovllm.attention.backend import FlashAttnBackend
+    from nanovllm.attention.flash_attn_backend import FlashAttnBackend
 
     return FlashAttnBackend()
 

@@ -15,8 +15,8 @@ from kernel_cases import (
     requires_kernels,
 )
 
-from nanovllm.attention.backend import TorchBackend
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchBackend
 
 pytestmark = [pytest.mark.cuda, requires_kernels]
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

@@ -1,5 +1,5 @@
-"""The CPU's inverse-CDF draw (nanovllm/kernels/sampling_ops.py): fused in C++
-(cpu_sample.cpp), or torch's softmax and float64 cumsum where that does not build. Oracles:
+"""The CPU's inverse-CDF draw (nanovllm/sampling/ops.py): fused in C++
+(kernels/cpu_sample.cpp), or torch's softmax and float64 cumsum where that does not build. Oracles:
 the float64 CDF of exp(logit - max) over the whole row, for given uniforms (the C++ draw is
 held to it up to its float32 exp's rounding, torch's to the search of its softmax token for
 token); and the softmax written out in Python, for inverse_cdf's draws (Pearson's chi-square
@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import native_library
 
-from nanovllm.kernels import sampling_ops
-from nanovllm.kernels.sampling_ops import inverse_cdf
+from nanovllm.kernels import cpu_sample
+from nanovllm.sampling.ops import inverse_cdf
 
 F64 = torch.float64
 C = 64  # cpu_sample.cpp's CHUNK: the edges the cases put weight on and around
@@ -64,9 +64,9 @@ def uniforms(rows: int, gen: torch.Generator) -> torch.Tensor:
 def draw_path(request, monkeypatch):
     """inverse_cdf through cpu_sample.cpp, or (its library taken away) through torch."""
     if request.param == "native":
-        native_library(sampling_ops.native_sampler)
+        native_library(cpu_sample.load)
     else:
-        monkeypatch.setattr(sampling_ops, "native_sampler", lambda: None)
+        monkeypatch.setattr(cpu_sample, "load", lambda: None)
     return request.param
 
 
@@ -127,7 +127,7 @@ def float64_weights(logits: torch.Tensor) -> torch.Tensor:
 
 
 def native_draw(logits: torch.Tensor, u: torch.Tensor, threads: int = 1) -> torch.Tensor:
-    library = native_library(sampling_ops.native_sampler)
+    library = native_library(cpu_sample.load)
     logits, out = logits.contiguous(), torch.empty(len(logits), dtype=torch.int64)
     library.nanovllm_sample(
         logits.data_ptr(), *logits.shape, u.contiguous().data_ptr(), out.data_ptr(), threads

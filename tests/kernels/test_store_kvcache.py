@@ -5,7 +5,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NAN, randn, requires_kernels
 
-from nanovllm.attention.backend import TorchBackend
+from nanovllm.attention.torch_backend import TorchBackend
 
 pytestmark = [pytest.mark.cuda, requires_kernels]
 

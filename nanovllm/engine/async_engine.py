@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine import EngineStats, LLMEngine, NewToken
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.sampling_params import SamplingParams
 

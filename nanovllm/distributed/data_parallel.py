@@ -1,20 +1,33 @@
 """Data parallelism, offline: `data_parallel_size` engine replicas, each over its own
-`tensor_parallel_size` ranks; generate() splits the prompts (split_by_tokens) across them."""
+`tensor_parallel_size` ranks; LLM.generate() hands its prompts to Replicas.generate, which
+splits them (split_by_tokens), runs each share on its replica and gathers the outputs in
+prompt order. Replicas are spawned processes, or torchrun's ranks when it started us."""
 
 import multiprocessing as mp
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import fields
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.distributed import launched_by_torchrun
 from nanovllm.distributed.group import join_tp_group
-from nanovllm.distributed.launch import Torchrun, engine_store
+from nanovllm.distributed.launch import (
+    Torchrun,
+    all_gather_objects,
+    engine_store,
+    torchrun_launch,
+)
 from nanovllm.distributed.workers import JOIN_TIMEOUT_S, exit_with_parent, stop_process
+
+if TYPE_CHECKING:
+    from nanovllm.engine.llm_engine import EngineRequest
 
 
 def split_by_tokens(costs: list[int], num_replicas: int) -> list[list[int]]:
@@ -29,13 +42,47 @@ def split_by_tokens(costs: list[int], num_replicas: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-class TorchrunReplicas:
+def request_cost(request: "EngineRequest", max_model_len: int) -> int:
+    """The most tokens a request may hold in the KV cache, over its n sequences."""
+    params = request.sampling_params
+    final_len = len(request.prompt_token_ids) + (params.max_tokens or max_model_len)
+    return params.n * min(max_model_len, final_len)
+
+
+class Replicas:
+    """What both kinds share: generate() over every replica, given dispatch() and gather()."""
+
+    rank: int  # this process's replica
+
+    def generate(
+        self, prompts: list, params: list, requests: list, generate_here: Callable[[list], list]
+    ) -> list:
+        """Each replica runs its share (this one through `generate_here`, on its part of the
+        checked `requests`); the outputs of all, in prompt order."""
+        costs = [request_cost(r, self.max_model_len) for r in requests]
+        shares = split_by_tokens(costs, self.num_replicas)
+        self.dispatch(shares, prompts, params)
+        mine = shares[self.rank]
+        try:
+            local = generate_here([requests[i] for i in mine])
+        except BaseException:
+            self.gather([])  # take the others' outputs: none is left for the next call
+            raise
+        outputs = [None] * len(prompts)
+        for share, replica_outputs in zip(shares, self.gather(local)):
+            for i, output in zip(share, replica_outputs):
+                outputs[i] = output
+        return outputs
+
+
+class TorchrunReplicas(Replicas):
     """Replicas made of torchrun's ranks: each rank runs its replica's share, and the
     outputs meet over a gloo group of every rank."""
 
-    def __init__(self, launch: Torchrun) -> None:
+    def __init__(self, config: Config, launch: Torchrun) -> None:
         self.launch = launch
         self.rank = launch.dp_rank
+        self.num_replicas, self.max_model_len = config.data_parallel_size, config.max_model_len
         self.world = join_tp_group(
             dist.PrefixStore("world", engine_store(launch)),
             launch.rank,
@@ -48,19 +95,21 @@ class TorchrunReplicas:
 
     def gather(self, local: list) -> list[list]:
         """Each replica's outputs (those of its first rank)."""
-        return self.world.all_gather_objects(local, torch.device("cpu"))[:: self.launch.tp_size]
+        gathered = all_gather_objects(self.world, local, torch.device("cpu"))
+        return gathered[:: self.launch.tp_size]
 
     def close(self) -> None:
         self.world.shutdown()
 
 
-class SpawnedReplicas:
+class SpawnedReplicas(Replicas):
     """Replicas 1..D-1, each a whole LLM in a process of its own (spawning its own
     tensor-parallel ranks), fed their shares through a pipe."""
 
     rank = 0
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, llm_class: type) -> None:
+        self.num_replicas, self.max_model_len = config.data_parallel_size, config.max_model_len
         kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
         kwargs["data_parallel_size"] = 1
         ctx = mp.get_context("spawn")
@@ -75,7 +124,7 @@ class SpawnedReplicas:
             process = ctx.Process(
                 target=replica_main,
                 name=f"nanovllm-dp-replica{replica}",
-                args=(kwargs, devices if gpus else None, threads, theirs),
+                args=(llm_class, kwargs, devices if gpus else None, threads, theirs),
             )
             process.start()
             theirs.close()
@@ -120,16 +169,16 @@ class SpawnedReplicas:
         self.processes.clear()
 
 
-def start_replicas(
-    config: Config, launch: Torchrun | None
-) -> TorchrunReplicas | SpawnedReplicas | None:
-    if config.data_parallel_size == 1:
-        return None
-    return SpawnedReplicas(config) if launch is None else TorchrunReplicas(launch)
+def start_replicas(config: Config, llm_class: type) -> Replicas:
+    """torchrun's ranks when it started us, else replicas 1..D-1 spawned, each an `llm_class`."""
+    if launched_by_torchrun():
+        launch = torchrun_launch(config.tensor_parallel_size, config.data_parallel_size)
+        return TorchrunReplicas(config, launch)
+    return SpawnedReplicas(config, llm_class)
 
 
 def replica_main(
-    kwargs: dict, visible_devices: str | None, num_threads: int, pipe: Connection
+    llm_class: type, kwargs: dict, visible_devices: str | None, num_threads: int, pipe: Connection
 ) -> None:
     """A spawned replica: generate() each share it is sent until the pipe closes."""
     if visible_devices is not None:  # before CUDA starts: its GPUs are cuda:0, cuda:1, ...
@@ -137,9 +186,7 @@ def replica_main(
     torch.set_num_threads(num_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and stops us
     threading.Thread(target=exit_with_parent, daemon=True).start()
-    from nanovllm import LLM  # entrypoints/llm.py imports this module
-
-    with LLM(**kwargs) as llm:
+    with llm_class(**kwargs) as llm:
         while True:
             try:
                 prompts, params = pipe.recv()

@@ -1,34 +1,13 @@
-"""The sampler's math on [B, vocab] logits, in plain PyTorch on any device (sampling/sampler.py
-runs them in order). Sampling is the exponential race: argmax(p / E), E ~ Exp(1) iid per token,
-draws exactly from p; a seeded row's E is a hash of (its seed key, token id), the same on every
-device and in any batch. On a CPU an unseeded row is drawn by the inverse CDF instead, in
-C++ where it builds (cpu_sample.cpp)."""
-
-import ctypes
-import functools
-from pathlib import Path
+"""The sampler's math on [B, vocab] logits, in plain PyTorch on any device (sampler.py runs
+them in order): the filters, and the draw. Sampling is the exponential race, argmax(p / E) with
+E ~ Exp(1) iid per token, which draws exactly from p; on a CPU an unseeded row is drawn by the
+inverse CDF instead, in C++ where it builds (kernels/cpu_sample.py). Penalties and seeded
+rows have modules of their own (penalties.py, seeded.py)."""
 
 import torch
 
 from nanovllm.compilation import HotOp
-from nanovllm.kernels.cpu_build import load_library
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    output_counts: torch.Tensor,
-    in_prompt: torch.Tensor,
-    repetition: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's penalties on [P, vocab]: repetition (prompt and completion), presence, frequency
-    ([P] each); output_counts [P, vocab] times in the completion, in_prompt [P, vocab] bool."""
-    in_output = output_counts > 0
-    repetition = repetition[:, None]
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(in_output | in_prompt, penalized, logits)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+from nanovllm.kernels import cpu_sample
 
 
 def apply_top_k_top_p(
@@ -74,43 +53,10 @@ def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
     cpu_sample.cpp where it builds (nothing [B, vocab] written: 2-3x faster than torch's
     softmax and cumsum, themselves 3-5x faster than the race's noise), else those."""
     u = 1 - torch.rand(len(logits), 1, dtype=torch.float64)  # (0, 1]: never a p = 0 token's CDF
-    library = native_sampler() if logits.dtype == torch.float32 else None
+    library = cpu_sample.load() if logits.dtype == torch.float32 else None
     if library is None:
         return inverse_cdf_index(torch.softmax(logits, dim=-1), u)
-    logits, out = logits.contiguous(), torch.empty(len(logits), dtype=torch.int64)
-    library.nanovllm_sample(
-        logits.data_ptr(), *logits.shape, u.data_ptr(), out.data_ptr(), torch.get_num_threads()
-    )
-    return out
-
-
-@functools.cache
-def native_sampler() -> ctypes.CDLL | None:
-    """cpu_sample.cpp's library, built on first use; None (one warning) where it cannot be."""
-    library = load_library(
-        Path(__file__).with_name("cpu_sample.cpp"),
-        (
-            "-O3",
-            "-march=native",
-            "-fno-trapping-math",
-            "-fopenmp",
-            "-shared",
-            "-fPIC",
-            "-std=c++17",
-        ),
-        "the CPU samples through torch's softmax and a float64 cumsum",
-    )
-    if library is not None:
-        library.nanovllm_sample.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        )
-        library.nanovllm_sample.restype = None
-    return library
+    return cpu_sample.sample(library, logits, u)
 
 
 def inverse_cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -124,21 +70,3 @@ def unseeded_noise(probs: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise as -log(U): on a CPU rand + log use every thread, exponential_() one (14% of
     a decode step). Clamped: a draw of 0 would make 0 / 0 for a filtered-out token."""
     return torch.rand_like(probs).log_().neg_().clamp_min_(1e-10)
-
-
-def mix32(x):
-    """Wellons' 32-bit 'prospector' hash of ints in [0, 2**32), exact in int64 on any device."""
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF  # multipliers < 2**30: every product < 2**62
-    x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & 0xFFFFFFFF
-    return x ^ (x >> 15)
-
-
-def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S] keys -> [S, vocab] Exp(1) noise, the same on every device (integers up to the log)."""
-    token_bits = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)
-    bits = mix32(keys[:, None] ^ token_bits)  # [S, vocab]
-    # The top 23 bits -> an odd multiple of 2**-24 in (0, 1), exact in float32: 0 < -log(u) < inf.
-    u = ((bits >> 9) * 2 + 1).float().mul_(2.0**-24)
-    return u.log_().neg_()

@@ -1,4 +1,5 @@
-"""Stop strings: a request's completion is decoded a few tokens at a time (as vLLM's
+"""Text as it grows, token by token: for stop strings (imported with the first request that has
+some) and for the server's streams. A completion is decoded a few tokens at a time (as vLLM's
 incremental detokenizer does) and each step's new characters are searched.
 
     tokens   [ ... decoded ... | context | new ]      decode(context + new) minus

@@ -1,0 +1,367 @@
+"""LLMEngine: `step()` is the heartbeat, schedule -> run -> postprocess. The scheduler decides
+what runs and what ends; the model runner computes a token per scheduled sequence.
+
+With async scheduling (overlap.py) step() is the overlapped loop instead, chosen once when the
+engine is built: step n + 1 is queued on the device before step n's tokens are read."""
+
+import os
+from dataclasses import dataclass, replace
+from functools import partial
+from numbers import Integral
+from typing import NamedTuple
+
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from nanovllm.config import Config
+from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.sampling.sampler import SamplerOutput
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict  # dict: vLLM's TextPrompt or TokensPrompt
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A request tokenized and checked by make_request(), not queued yet."""
+
+    prompt: str | None  # its text; None for a token-id prompt
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class NewToken(NamedTuple):
+    request_id: int  # what add_request returned
+    index: int  # which of the request's n completions
+    token_id: int
+    logprobs: dict | None  # its logprob entry if asked for (decoded_token not filled in)
+
+
+class StepOutput(NamedTuple):
+    finished: list[CompletionOutput]  # the sequences that finished this step
+    num_prefill_tokens: int  # prompt tokens computed this step
+    num_decode_tokens: int  # decode tokens computed this step
+    new_tokens: list[NewToken] = []  # every sequence's token of this step, finished or not
+    finished_requests: list[RequestOutput] = []  # the requests whose last completion ended
+
+
+class EngineStats(NamedTuple):
+    num_running: int  # sequences holding KV blocks
+    num_waiting: int  # sequences queued (preempted ones included)
+    kv_cache_usage: float  # fraction of KV blocks held by a sequence
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A queued request, until its last completion finishes."""
+
+    request: EngineRequest
+    seqs: list[Sequence]
+    outputs: list[CompletionOutput | None]  # by index, as they finish
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        self.config = config = Config.from_kwargs(model, kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.eos_token_ids = find_eos_token_ids(config, self.tokenizer)
+        self.model_runner = ModelRunner(config)
+        block_manager = BlockManager(
+            self.model_runner.num_kvcache_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            policy=config.scheduling_policy,
+        )
+        self.requests: dict[int, _Pending] = {}  # request id -> its state, until it finishes
+        self.overlap = None  # async scheduling's loop (overlap.py), when it is on
+        if config.async_scheduling:
+            from nanovllm.engine.overlap import OverlapLoop
+
+            self.overlap = OverlapLoop(self)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: Prompt | EngineRequest, sampling_params: SamplingParams | None = None
+    ) -> int:
+        """Queue one request (its n sequences); returns its id, the `seq_id` of its outputs.
+        Bad input raises before anything is queued. `prompt` may be make_request()'s result."""
+        if not isinstance(prompt, EngineRequest):
+            prompt = self.make_request(prompt, sampling_params)
+        seqs = self._sequences(prompt)
+        if prompt.sampling_params.stop and self.scheduler.stop_strings is None:
+            from nanovllm.engine.detokenizer import StopStringChecker  # the first with some
+
+            self.scheduler.stop_strings = StopStringChecker(self.tokenizer)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.requests[seqs[0].seq_id] = _Pending(prompt, seqs, [None] * len(seqs))
+        return seqs[0].seq_id
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        index: int | None = None,
+    ) -> EngineRequest:
+        """Tokenize and check a request without queueing it; an error names `index` (a
+        prompt's place in a list), if given."""
+        self.check_open()
+        where = "" if index is None else f"prompt {index}: "
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"{where}sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        try:
+            text, token_ids = self._tokenize(prompt)
+            vocab_size = self.config.hf_config.vocab_size
+            token_ids = check_token_ids(token_ids, vocab_size)
+            check_ids_in_vocabulary(params, vocab_size)  # bad ids would fail in the sampler
+            self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}{e}") from None
+        return EngineRequest(text, token_ids, params)
+
+    def _tokenize(self, prompt: object) -> tuple[str | None, object]:
+        """A prompt's text and token ids (checked by the caller); text is tokenized as vLLM
+        does, with the tokenizer's special tokens."""
+        if isinstance(prompt, dict):
+            if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
+                raise ValueError(
+                    f"a prompt dict takes 'prompt' (vLLM's TextPrompt) or "
+                    f"'prompt_token_ids' (TokensPrompt), got keys {sorted(prompt)}"
+                )
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"'prompt' must be a string, got {type(text).__name__}")
+            if "prompt_token_ids" in prompt:
+                return text, prompt["prompt_token_ids"]
+            prompt = text
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, prompt
+
+    def _sequences(self, request: EngineRequest) -> list[Sequence]:
+        """A request's n sequences; the i-th's seed is seed + i, as vLLM's."""
+        params, block_size = request.sampling_params, self.config.kvcache_block_size
+        first = Sequence(request.prompt_token_ids, params, block_size, self.eos_token_ids)
+        seqs = [first]
+        for i in range(1, params.n):
+            own = params if params.seed is None else replace(params, seed=params.seed + i)
+            seqs.append(Sequence(first.token_ids, own, block_size, self.eos_token_ids, first, i))
+        return seqs
+
+    def abort_request(self, request_id: int) -> bool:
+        """Drop a pending request (its n sequences), free their blocks; False if not pending."""
+        self.requests.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """One step of every pending request: schedule -> run -> postprocess. An idle engine
+        does nothing."""
+        self.check_open()
+        try:
+            if self.overlap is not None:
+                return self.overlap.step()
+            seqs = self.scheduler.schedule()
+            num_prefill, num_decode = count_tokens(seqs)
+            if not seqs:
+                return StepOutput([], 0, 0)
+            out = self.model_runner.run(seqs)
+            self.scheduler.advance(seqs)
+            accepted = self.postprocess(seqs, out)
+        except BaseException:
+            self._drop_all_requests()
+            raise
+        return self.step_output(accepted, num_prefill, num_decode)
+
+    def postprocess(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
+        """A step's tokens (and logprobs) into its sequences, but those that ended while it
+        ran; the scheduler decides which finish. Returns the sequences that took a token."""
+        tokens = out.token_ids if isinstance(out.token_ids, list) else out.token_ids.tolist()
+        for seq, entry in zip(seqs, out.logprobs or ()):
+            if entry is not None and not seq.is_finished:
+                seq.logprobs.append(entry)
+        for seq, entries in zip(seqs, out.prompt_logprobs or ()):
+            if entries and not seq.is_finished:
+                seq.prompt_logprobs.extend(entries)
+        return self.scheduler.accept(seqs, tokens)
+
+    def step_output(
+        self, accepted: list[Sequence], num_prefill: int, num_decode: int
+    ) -> StepOutput:
+        new_tokens = [
+            NewToken(seq.request_id, seq.index, seq.last_token, seq.logprobs[-1])
+            if seq.logprobs
+            else NewToken(seq.request_id, seq.index, seq.last_token, None)
+            for seq in accepted
+        ]
+        finished = [self._completion_output(seq) for seq in accepted if seq.is_finished]
+        return StepOutput(
+            finished, num_prefill, num_decode, new_tokens, self._finish_requests(finished)
+        )
+
+    def _drop_all_requests(self) -> None:
+        """After a failed step: its sequences are half-updated, so every request is dropped
+        and the engine stays usable."""
+        if self.overlap is not None:
+            self.overlap.reset()
+        self.scheduler.abort_all()
+        self.requests.clear()
+
+    # -- outputs -------------------------------------------------------------------------
+
+    def _completion_output(self, seq: Sequence) -> CompletionOutput:
+        token_ids = seq.completion_token_ids
+        text, stop_reason = self._completion_text(seq)
+        logprobs = self.decode_logprobs(seq.logprobs)
+        cumulative = None
+        if logprobs is not None:
+            cumulative = sum(entry[token].logprob for entry, token in zip(logprobs, token_ids))
+        return CompletionOutput(
+            seq.index,
+            text,
+            token_ids,
+            cumulative,
+            logprobs,
+            seq.finish_reason.value,
+            stop_reason,
+            seq.request_id,
+        )
+
+    def _completion_text(self, seq: Sequence) -> tuple[str, int | str | None]:
+        """A finished completion's text and vLLM's stop_reason (the stop string or stop token id
+        that ended it; None for EOS, length or abort). Which stop string ended it is found again
+        in the whole decode, of which the incremental text is a prefix."""
+        params, token_ids = seq.sampling_params, seq.completion_token_ids
+        decode = partial(self.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
+        if seq.stop_text is not None:  # a stop string
+            text = decode(token_ids)
+            stop = next((s for s in params.stop if text.startswith(s, len(seq.stop_text))), None)
+            kept = (stop or "") if params.include_stop_str_in_output else ""
+            return seq.stop_text + kept, stop
+        if seq.finish_reason is not FinishReason.STOP:  # length or abort
+            return decode(token_ids), None
+        # EOS or a stop token id: out of the text unless include_stop_str_in_output
+        text = decode(token_ids if params.include_stop_str_in_output else token_ids[:-1])
+        is_eos = not params.ignore_eos and seq.last_token in self.eos_token_ids
+        return text, None if is_eos else seq.last_token
+
+    def _finish_requests(self, finished: list[CompletionOutput]) -> list[RequestOutput]:
+        """The RequestOutputs of the requests whose last completion is among `finished`."""
+        done = []
+        for output in finished:
+            pending = self.requests.get(output.seq_id)
+            if pending is None:
+                continue
+            pending.outputs[output.index] = output
+            if all(o is not None for o in pending.outputs):
+                del self.requests[output.seq_id]
+                done.append(self._request_output(pending))
+        return done
+
+    def _request_output(self, pending: _Pending) -> RequestOutput:
+        first, request = pending.seqs[0], pending.request
+        return RequestOutput(
+            str(first.seq_id),
+            request.prompt,
+            request.prompt_token_ids,
+            self.decode_logprobs(first.prompt_logprobs),
+            pending.outputs,
+            finished=True,
+            num_cached_tokens=max(0, first.num_prefix_cached_tokens),
+        )
+
+    def decode_logprobs(self, entries: list[dict | None] | None) -> list[dict | None] | None:
+        """Fill in each Logprob's decoded_token (each token decoded alone, as vLLM does)."""
+        for entry in entries or ():
+            for token, logprob in (entry or {}).items():
+                logprob.decoded_token = self.tokenizer.decode([token])
+        return entries
+
+    # -- state ---------------------------------------------------------------------------
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()  # a step in flight then holds only dropped tokens
+
+    def stats(self) -> EngineStats:
+        blocks = self.scheduler.block_manager
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            1 - blocks.num_free_blocks / blocks.num_blocks,
+        )
+
+    def check_open(self) -> None:
+        """Raise if close() was called."""
+        if self.model_runner is None:
+            raise RuntimeError("this engine is closed; create a new LLM to generate again")
+
+    def close(self) -> None:
+        """Release the KV cache and the model's device memory; harmless to call twice."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.close()
+            self.model_runner = None
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def count_tokens(seqs: list[Sequence]) -> tuple[int, int]:
+    """(prompt tokens, decode tokens) a scheduled batch computes; decode rows come first."""
+    num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
+    return sum(seq.num_scheduled_tokens for seq in seqs[num_decode:]), num_decode
+
+
+def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:
+    """A prompt's token ids as a list of ints in [0, vocab_size)."""
+    if not isinstance(token_ids, (list, tuple)):
+        raise TypeError(
+            f"a prompt must be a string or a list of token ids, got {type(token_ids).__name__}"
+        )
+    if not token_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    for token in token_ids:
+        if isinstance(token, bool) or not isinstance(token, Integral):
+            raise TypeError(f"token ids must be ints, got {type(token).__name__} ({token!r})")
+        if not 0 <= token < vocab_size:
+            raise ValueError(
+                f"token id {token} is outside the model's vocabulary [0, {vocab_size})"
+            )
+    return [int(t) for t in token_ids]
+
+
+def check_ids_in_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """stop_token_ids and logit_bias name tokens of the vocabulary."""
+    for name in ("stop_token_ids", "logit_bias"):
+        if bad := [t for t in getattr(params, name) if t >= vocab_size]:
+            raise ValueError(
+                f"{name}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+            )
+
+
+def find_eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokenizer's EOS plus generation_config.json's (an int or a list), as
+    `transformers` generate() stops on; config.json's when there is no generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if os.path.isfile(os.path.join(config.model, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
+    else:
+        eos = getattr(config.hf_config, "eos_token_id", None)
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return ids
