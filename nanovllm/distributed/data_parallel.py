@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
 from nanovllm.distributed import launched_by_torchrun
 from nanovllm.distributed.group import join_tp_group
 from nanovllm.distributed.launch import (
@@ -27,6 +26,7 @@ from nanovllm.distributed.launch import (
 from nanovllm.distributed.workers import JOIN_TIMEOUT_S, exit_with_parent, stop_process
 
 if TYPE_CHECKING:
+    from nanovllm.config import Config
     from nanovllm.engine.llm_engine import EngineRequest
 
 
@@ -79,7 +79,7 @@ class TorchrunReplicas(Replicas):
     """Replicas made of torchrun's ranks: each rank runs its replica's share, and the
     outputs meet over a gloo group of every rank."""
 
-    def __init__(self, config: Config, launch: Torchrun) -> None:
+    def __init__(self, config: "Config", launch: Torchrun) -> None:
         self.launch = launch
         self.rank = launch.dp_rank
         self.num_replicas, self.max_model_len = config.data_parallel_size, config.max_model_len
@@ -108,7 +108,7 @@ class SpawnedReplicas(Replicas):
 
     rank = 0
 
-    def __init__(self, config: Config, llm_class: type) -> None:
+    def __init__(self, config: "Config", llm_class: type) -> None:
         self.num_replicas, self.max_model_len = config.data_parallel_size, config.max_model_len
         kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
         kwargs["data_parallel_size"] = 1
@@ -169,7 +169,7 @@ class SpawnedReplicas(Replicas):
         self.processes.clear()
 
 
-def start_replicas(config: Config, llm_class: type) -> Replicas:
+def start_replicas(config: "Config", llm_class: type) -> Replicas:
     """torchrun's ranks when it started us, else replicas 1..D-1 spawned, each an `llm_class`."""
     if launched_by_torchrun():
         launch = torchrun_launch(config.tensor_parallel_size, config.data_parallel_size)

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
 from nanovllm.distributed.group import GROUP_TIMEOUT, TPGroup, join_tp_group
 
 if TYPE_CHECKING:
+    from nanovllm.config import Config
     from nanovllm.distributed.launch import Torchrun
 
 HOST = "127.0.0.1"  # every rank runs on this machine
@@ -36,7 +36,7 @@ JOINED = "worker/{}/joined"  # a spawned rank's key in rank 0's store once it is
 
 
 def init_tensor_parallel(
-    config: Config,
+    config: "Config",
     device: torch.device,
     rank: int,
     port: int,
@@ -81,7 +81,7 @@ class WorkerGroup:
         self._aborted = False
 
     @classmethod
-    def spawn(cls, config: Config, device: torch.device, runner_cls: type) -> "WorkerGroup":
+    def spawn(cls, config: "Config", device: torch.device, runner_cls: type) -> "WorkerGroup":
         """Start ranks 1..N-1, each building `runner_cls(config, rank, port)`, and
         form the process group with them; rank 0's TPGroup is `.tp_group`."""
         world_size = config.tensor_parallel_size
@@ -217,7 +217,7 @@ def stop_process(process: mp.process.BaseProcess, grace_s: float) -> None:
         process.join()
 
 
-def worker_main(runner_cls: type, config: Config, rank: int, port: int, pipe: Connection) -> None:
+def worker_main(runner_cls: type, config: "Config", rank: int, port: int, pipe: Connection) -> None:
     """A spawned rank: build its shard of the model, then run each call rank 0 sends
     until rank 0 closes the pipe. An exception ends the process (rank 0 notices)."""
     # Ctrl-C reaches the whole process group: rank 0 alone handles it (and stops us).

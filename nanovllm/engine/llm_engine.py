@@ -174,7 +174,7 @@ class LLMEngine:
             if self.overlap is not None:
                 return self.overlap.step()
             seqs = self.scheduler.schedule()
-            num_prefill, num_decode = count_tokens(seqs)
+            num_prefill, num_decode = self.count_tokens(seqs)
             if not seqs:
                 return StepOutput([], 0, 0)
             out = self.model_runner.run(seqs)
@@ -184,6 +184,12 @@ class LLMEngine:
             self._drop_all_requests()
             raise
         return self.step_output(accepted, num_prefill, num_decode)
+
+    @staticmethod
+    def count_tokens(seqs: list[Sequence]) -> tuple[int, int]:
+        """(prompt tokens, decode tokens) a scheduled batch computes; decode rows come first."""
+        num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
+        return sum(seq.num_scheduled_tokens for seq in seqs[num_decode:]), num_decode
 
     def postprocess(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
         """A step's tokens (and logprobs) into its sequences, but those that ended while it
@@ -319,12 +325,6 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def count_tokens(seqs: list[Sequence]) -> tuple[int, int]:
-    """(prompt tokens, decode tokens) a scheduled batch computes; decode rows come first."""
-    num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
-    return sum(seq.num_scheduled_tokens for seq in seqs[num_decode:]), num_decode
 
 
 def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:

@@ -12,13 +12,15 @@ runner's `feed`: no host round trip). A sequence that step n finishes has alread
 in n + 1: that one extra token is computed and dropped, so the outputs are the synchronous
 engine's. One rank only (Config refuses tensor_parallel_size > 1 with it)."""
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from nanovllm.core import PENDING, Sequence
-from nanovllm.engine.llm_engine import LLMEngine, StepOutput, count_tokens
 from nanovllm.sampling.sampler import SamplerOutput
+
+if TYPE_CHECKING:
+    from nanovllm.engine.llm_engine import LLMEngine, StepOutput
 
 
 class InFlight(NamedTuple):
@@ -30,15 +32,15 @@ class InFlight(NamedTuple):
 
 
 class OverlapLoop:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: "LLMEngine"):
         self.engine = engine
         self.in_flight: InFlight | None = None
 
-    def step(self) -> StepOutput:
+    def step(self) -> "StepOutput":
         """Queue step n + 1, then read step n's tokens (which this step reports)."""
         engine, scheduler = self.engine, self.engine.scheduler
         seqs = scheduler.schedule()
-        num_prefill, num_decode = count_tokens(seqs)
+        num_prefill, num_decode = engine.count_tokens(seqs)
         previous, self.in_flight = self.in_flight, None
         accepted = []
         # Penalties count a batch's tokens on the host: the step in flight is read first.
