@@ -8,7 +8,7 @@ from nanovllm.utils import check_bool, check_int, check_number
 
 @dataclass(slots=True)
 class SamplingParams:
-    """vLLM's sampling options (README's table has each in full). Penalties apply to
+    """vLLM's sampling options (docs/api.md's table has each in full). Penalties apply to
     greedy requests too; top_k, top_p, min_p and seed only to sampled ones."""
 
     temperature: float = 1.0  # 0 (or below 1e-5): greedy; else logits / T

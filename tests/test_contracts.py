@@ -1,4 +1,4 @@
-"""The layer contracts of DESIGN.md, as tests: import-linter's (pyproject.toml, one line each
+"""The layer contracts, as tests: import-linter's (pyproject.toml, one line each
 saying why), and what an import graph cannot see, checked on the syntax tree: the entry points
 and the server's front (engine/async_engine.py) use only the engine's public API."""
 

@@ -21,8 +21,8 @@ from transformers.generation.logits_process import (
 )
 
 from nanovllm.core import Sequence
+from nanovllm.sampling.filters import apply_min_p, apply_top_k_top_p
 from nanovllm.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
-from nanovllm.sampling.ops import apply_min_p, apply_top_k_top_p
 from nanovllm.sampling.penalties import TokenCounts, apply_penalties
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.seeded import seed_key
@@ -200,7 +200,8 @@ def test_filters_match_transformers_warpers():
     ]
     m = metadata([make_seq(SamplingParams(**s)) for s in settings], logits.shape[1])
     ours = logits.clone() / m.temperatures[:, None]
-    ours = apply_min_p(apply_top_k_top_p(ours, m.top_k, m.max_top_k, m.top_p), m.min_p)
+    f = m.filters
+    ours = apply_min_p(apply_top_k_top_p(ours, f.top_k, f.max_top_k, f.top_p), f.min_p)
     for row, s in enumerate(settings):
         theirs = TemperatureLogitsWarper(s["temperature"])(None, logits[row : row + 1].clone())
         if s["top_k"]:
@@ -237,13 +238,14 @@ def test_work_no_row_asks_for_is_skipped_on_the_host():
     vocab = 100
     greedy_with_filters = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2, seed=1)
     m = metadata([make_seq(greedy_with_filters)] * 3, vocab)
-    assert m.all_greedy and (m.top_k, m.top_p, m.min_p, m.seeds) == (None, None, None, None)
+    assert m.all_greedy and (m.filters, m.seeds) == (None, None)
     m = metadata(
         [make_seq(SamplingParams(top_k=vocab + 5)), make_seq(SamplingParams(top_k=-1))], vocab
     )
-    assert not m.all_greedy and m.greedy is None and m.top_k is None and m.penalties is None
+    assert not m.all_greedy and m.greedy is None and m.filters is None and m.penalties is None
     m = metadata([make_seq(SamplingParams(top_k=5)), make_seq(SamplingParams())], vocab)
-    assert m.top_k.tolist() == [5, vocab] and m.max_top_k == 5 and m.top_p is None
+    assert m.filters.top_k.tolist() == [5, vocab] and m.filters.max_top_k == 5
+    assert m.filters.top_p is None
 
 
 # -- seeds ---------------------------------------------------------------------------

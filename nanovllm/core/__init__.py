@@ -1,4 +1,5 @@
-"""The CPU control plane: pure Python, never imports torch (DESIGN.md, layer L3)."""
+"""The control plane: which sequences run each step, their KV-cache blocks, and when each
+ends. Pure Python on ints and lists; it never imports torch (tests/test_contracts.py)."""
 
 from nanovllm.core.block_manager import Block, BlockManager
 from nanovllm.core.scheduler import Scheduler

@@ -1,3 +1,3 @@
-"""Online serving: `async_engine` runs an LLMEngine's step loop in a thread and streams
-each request's output; `openai_server` puts OpenAI's HTTP API over it (FastAPI, the
-`serve` extra); `cli` is `python -m nanovllm serve MODEL`."""
+"""How users reach the engine: the offline `LLM` (llm.py), OpenAI's HTTP API over the engine's
+asyncio front (openai_server.py and protocol.py; FastAPI, the `serve` extra), and the command
+line `nanovllm serve MODEL` (cli.py)."""

@@ -1,5 +1,6 @@
-"""Triton kernels of the data plane, each a `@triton.jit` function plus a launcher that
-asserts the layouts it is given, naming the argument (kernels/layout.py).
+"""The kernels of the data plane: functions of tensors, importing nothing of the package outside
+kernels/. Each Triton kernel is a `@triton.jit` function plus a launcher that asserts the
+layouts it is given, naming the argument (kernels/layout.py).
 
     store_kvcache            write new tokens' K/V rows into their cache slots (-1 = skip)
     paged_decode_attention   one query per sequence over its block table (GQA, split-K)
@@ -10,11 +11,10 @@ asserts the layouts it is given, naming the argument (kernels/layout.py).
     cpu_decode               (C++, not Triton) the CPU's paged decode, see cpu_decode.py
     cpu_ops                  (C++) the CPU's RMSNorm (+ residual) and rotary, bit-equal to the
                              eager ops
-    cpu_sample.cpp           (C++) the CPU's draw from softmax(logits), called by sampling_ops;
+    cpu_sample               (C++) the CPU's draw from softmax(logits), for sampling/ops.py;
                              the three C++ libraries built by cpu_build.py
     torch_attention          (plain PyTorch) paged prefill and decode: the reference and the
                              `torch` backend's compute
-    sampling_ops             (PyTorch) the sampler's penalties, filters and draws
 
 Triton is imported, with every Triton kernel at once, when the first name below is
 asked for (the CPU kernel needs no Triton). They run on CUDA tensors, or on CPU tensors

@@ -1,2 +1,2 @@
-"""Model definitions built from the data-plane layers, the registry of architectures,
-checkpoint loading (loader.py) and the offline demo checkpoints (demo.py)."""
+"""Model definitions built from the data-plane layers: one shared decoder with a family's flags
+(decoder.py), Qwen3-MoE's experts, the registry of architectures and checkpoint loading."""

@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (README, "CUDA"): a batch of n replays the smallest captured size >= n
+"""Decode CUDA graphs (docs/cuda.md): a batch of n replays the smallest captured size >= n
 from static buffers whose rows n.. are padding:
 
     row             0 .. n-1                       n .. size-1 (padding)

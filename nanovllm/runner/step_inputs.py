@@ -26,7 +26,26 @@ class StepInputs(NamedTuple):
 
 
 def prepare_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
+    """The batch's tokens, positions and attention metadata, built on the host."""
     num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
+    input_ids, positions, lens_q = _token_rows(seqs, num_decode)
+    block_tables = _block_tables(seqs)
+    slots = _slot_mapping(block_tables, positions, lens_q, block_size)
+    ctx = ForwardContext(torch.from_numpy(slots), num_decode_tokens=num_decode)
+    if num_decode:  # each decode row attends over its whole context, itself included
+        context_lens = (positions[:num_decode] + 1).astype(np.int32)
+        ctx.decode = AttentionMetadata(
+            torch.from_numpy(block_tables[:num_decode]), context_lens=torch.from_numpy(context_lens)
+        )
+    if num_decode < len(seqs):
+        ctx.prefill = _prefill_metadata(seqs[num_decode:], block_tables[num_decode:])
+        ctx.logits_indices = _logits_indices(seqs, lens_q)
+    return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), ctx)
+
+
+def _token_rows(seqs: list[Sequence], num_decode: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Token ids and positions [num_tokens] int64: a decode row's last token, then each prefill
+    chunk's tokens; and each sequence's number of rows (lens_q)."""
     decode, prefill = seqs[:num_decode], seqs[num_decode:]
     input_ids = [seq.last_token for seq in decode]
     positions = [seq.num_tokens - 1 for seq in decode]
@@ -35,48 +54,47 @@ def prepare_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
     lens_q = [1] * num_decode + [seq.num_scheduled_tokens for seq in prefill]
-    block_tables = _block_tables(seqs)
-    positions_np = np.array(positions, dtype=np.int64)
-    rows = np.repeat(np.arange(len(seqs)), lens_q) if prefill else np.arange(len(seqs))
-    slots = (
-        block_tables[rows, positions_np // block_size].astype(np.int64) * block_size
-        + positions_np % block_size
-    )
-    ctx = ForwardContext(torch.from_numpy(slots), num_decode_tokens=num_decode)
-    if decode:
-        lens = (positions_np[:num_decode] + 1).astype(np.int32)
-        ctx.decode = AttentionMetadata(
-            torch.from_numpy(block_tables[:num_decode]), context_lens=torch.from_numpy(lens)
-        )
-    if prefill:
-        ctx.prefill = _prefill_metadata(prefill, block_tables[num_decode:])
-        ctx.logits_indices = _logits_indices(seqs, lens_q)
-    return StepInputs(
-        torch.from_numpy(np.array(input_ids, dtype=np.int64)), torch.from_numpy(positions_np), ctx
-    )
+    return np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64), lens_q
+
+
+def _slot_mapping(
+    block_tables: np.ndarray, positions: np.ndarray, lens_q: list[int], block_size: int
+) -> np.ndarray:
+    """Each token's cache slot [num_tokens] int64 (the picture at the top)."""
+    if len(lens_q) == len(positions):  # one row per sequence: no repeat needed
+        rows = np.arange(len(lens_q))
+    else:
+        rows = np.repeat(np.arange(len(lens_q)), lens_q)
+    blocks = block_tables[rows, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
 
 
 def on_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     """Host-built inputs with every tensor (the context's and its metadata's too) on `device`."""
-
-    def moved(obj):  # a dataclass with its tensor fields copied to the device; None stays None
-        return obj and replace(
-            obj,
-            **{
-                f.name: to_device(v, device)
-                for f in fields(obj)
-                if isinstance(v := getattr(obj, f.name), torch.Tensor)
-            },
-        )
-
     if device.type == "cpu":
         return inputs
     ctx = inputs.context
     return StepInputs(
         to_device(inputs.input_ids, device),
         to_device(inputs.positions, device),
-        replace(moved(ctx), decode=moved(ctx.decode), prefill=moved(ctx.prefill)),
+        replace(
+            _moved(ctx, device),
+            decode=_moved(ctx.decode, device),
+            prefill=_moved(ctx.prefill, device),
+        ),
     )
+
+
+def _moved(obj: object, device: torch.device) -> object:
+    """A dataclass with its tensor fields copied to `device`; None stays None."""
+    if obj is None:
+        return None
+    tensors = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            tensors[f.name] = to_device(value, device)
+    return replace(obj, **tensors)
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:

@@ -19,7 +19,9 @@ def build_bias(seqs: list[Sequence], put) -> tuple[torch.Tensor, ...] | None:
         else seq.sampling_params.logit_bias
         for seq in seqs
     ]
-    if not (total := sum(lens := [len(bias) for bias in biases])):
+    lens = [len(bias) for bias in biases]
+    total = sum(lens)
+    if total == 0:
         return None
     ids = np.fromiter(chain.from_iterable(biases), np.int64, total)  # 2x faster than lists
     values = np.fromiter(chain.from_iterable(b.values() for b in biases), np.float32, total)

@@ -8,9 +8,9 @@ import torch
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.device import list_to_device
-from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanovllm.sampling.filters import Filters
     from nanovllm.sampling.penalties import Penalties, TokenCounts
     from nanovllm.sampling.seeded import SeededRows
 
@@ -22,12 +22,9 @@ class SamplingMetadata:
     temperatures: torch.Tensor  # [B] float32; greedy rows hold 1.0
     greedy: torch.Tensor | None = None  # [B] bool; None when no row is greedy
     all_greedy: bool = False
-    top_k: torch.Tensor | None = None  # [B] int64; vocab size = keep all
-    max_top_k: int = 0  # the largest k below the vocab size
-    top_p: torch.Tensor | None = None  # [B] float32; 1.0 = keep all
-    min_p: torch.Tensor | None = None  # [B] float32; 0.0 = keep all
     bias: tuple[torch.Tensor, ...] | None = None  # [N] rows, [N] token ids, [N] float32 to add
     penalties: "Penalties | None" = None  # penalties.py
+    filters: "Filters | None" = None  # top-k, top-p, min-p: filters.py
     seeds: "SeededRows | None" = None  # the seeded sampled rows: seeded.py
 
 
@@ -66,7 +63,10 @@ class SamplingMetadataBuilder:
         if any(p.has_penalties for p in params):
             m.penalties = self._penalties(seqs)
         if not m.all_greedy:
-            _add_filters(m, params, row_params, ~greedy, self.vocab_size, self.put)
+            if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+                from nanovllm.sampling.filters import build_filters
+
+                m.filters = build_filters(params, row_params, ~greedy, self.vocab_size, self.put)
             if any(p.seed is not None for p in params):
                 from nanovllm.sampling.seeded import seeded_rows
 
@@ -82,30 +82,3 @@ class SamplingMetadataBuilder:
         if self.token_counts is None:
             self.token_counts = TokenCounts(self.vocab_size, self.device)
         return build_penalties(seqs, self.token_counts, self.put)
-
-
-def _add_filters(
-    m: SamplingMetadata,
-    params: list[SamplingParams],
-    row_params: np.ndarray,
-    sampled: np.ndarray,
-    vocab_size: int,
-    put,
-) -> None:
-    # Greedy rows keep everything: their token is the argmax, taken before the filters.
-    if not any(0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0 for p in params):
-        return  # no row is filtered: no per-row arrays
-    top_k = np.where(
-        sampled,
-        np.array([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params])[row_params],
-        vocab_size,
-    )
-    top_p = np.where(sampled, np.array([p.top_p for p in params], np.float32)[row_params], 1)
-    min_p = np.where(sampled, np.array([p.min_p for p in params], np.float32)[row_params], 0)
-    if top_k.min() < vocab_size:
-        m.top_k = put(top_k)
-        m.max_top_k = int(top_k[top_k < vocab_size].max())
-    if top_p.min() < 1:
-        m.top_p = put(top_p.astype(np.float32))
-    if min_p.max() > 0:
-        m.min_p = put(min_p.astype(np.float32))

@@ -1,41 +1,13 @@
-"""The sampler's math on [B, vocab] logits, in plain PyTorch on any device (sampler.py runs
-them in order): the filters, and the draw. Sampling is the exponential race, argmax(p / E) with
-E ~ Exp(1) iid per token, which draws exactly from p; on a CPU an unseeded row is drawn by the
-inverse CDF instead, in C++ where it builds (kernels/cpu_sample.py). Penalties and seeded
-rows have modules of their own (penalties.py, seeded.py)."""
+"""The draw from softmax(logits), in plain PyTorch on any device: the exponential race,
+argmax(p / E) with E ~ Exp(1) iid per token, which draws exactly from p; on a CPU an unseeded
+row is drawn by the inverse CDF instead, in C++ where it builds (kernels/cpu_sample.py).
+Filters, penalties and seeded rows have modules of their own (filters.py, penalties.py,
+seeded.py)."""
 
 import torch
 
 from nanovllm.compilation import HotOp
 from nanovllm.kernels import cpu_sample
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Set the logits that top-k, then top-p, filter out to -inf (ties with the k-th stay)."""
-    if top_p is None:  # top-k alone needs only the max_top_k largest values, not a sort
-        values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k]
-        kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
-        kth = torch.where(top_k[:, None] > max_top_k, float("-inf"), kth)  # rows keeping all
-        return logits.masked_fill_(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    # Ascending, a token goes when those ranked at or below it hold at most 1 - p: those above
-    # reach p without it. The one crossing p stays; p = 1 drops only probability-0 tokens.
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1 - top_p[:, None]
-    drop[:, -1] = False  # the most likely token always stays
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, order, sorted_logits)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens with p < min_p * p_max: logit < max logit + log(min_p) (log 0 keeps all)."""
-    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-    return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
 @HotOp

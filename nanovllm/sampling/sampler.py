@@ -3,9 +3,10 @@
     logit bias (min_tokens: stop ids -inf) -> penalties -> [greedy rows: argmax]
                                            -> temperature -> top-k -> top-p -> min-p -> sample
 
-Each step's math is an op of sampling/ops.py (penalties: penalties.py); sampling there is the
-exponential race (unseeded CPU rows: the inverse CDF), a seeded row's noise a hash of (seed,
-step, token id) (seeded.py)."""
+What a request may ask beyond a temperature is in a module of its own, imported only when a
+batch asks: bias.py (logit_bias, min_tokens), penalties.py, filters.py (top-k/p, min-p),
+seeded.py (seeds). The draw is sampling/ops.py's: the exponential race, or on a CPU the
+inverse CDF."""
 
 from typing import NamedTuple
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from nanovllm.sampling.metadata import SamplingMetadata
-from nanovllm.sampling.ops import apply_min_p, apply_top_k_top_p, inverse_cdf, softmax_race
+from nanovllm.sampling.ops import inverse_cdf, softmax_race
 
 
 class SamplerOutput(NamedTuple):
@@ -42,10 +43,8 @@ class Sampler(nn.Module):
         if m.all_greedy:
             return greedy_ids
         logits.div_(m.temperatures[:, None])
-        if m.top_k is not None or m.top_p is not None:
-            logits = apply_top_k_top_p(logits, m.top_k, m.max_top_k, m.top_p)
-        if m.min_p is not None:
-            logits = apply_min_p(logits, m.min_p)
+        if m.filters is not None:
+            logits = m.filters.apply(logits)
         if m.seeds is not None:  # a seeded row's noise is a hash of (seed, step, token id)
             sampled = m.seeds.sample(logits)
         elif logits.is_cpu:
