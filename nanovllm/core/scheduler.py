@@ -14,7 +14,7 @@ from collections import deque
 from typing import Protocol
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus
+from nanovllm.core.sequence import FINISHED, PENDING, RUNNING, WAITING, FinishReason, Sequence
 from nanovllm.utils import cdiv
 
 
@@ -106,7 +106,7 @@ class Scheduler:
         for seq in list(self.running):
             if len(batch) == limit:
                 break
-            if seq.is_prefill or seq.status is not SequenceStatus.RUNNING:
+            if seq.is_prefill or seq.status is not RUNNING:
                 continue  # mid-prefill, or preempted meanwhile
             if seq.last_token == PENDING and seq.num_tokens >= seq.max_num_tokens:
                 continue  # its token still being computed is its last (async scheduling)
@@ -142,7 +142,7 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq, cached_blocks)
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RUNNING
             self.running.append(seq)
             budget -= self._schedule_chunk(seq, budget)
             batch.append(seq)
@@ -158,7 +158,7 @@ class Scheduler:
         self.running.remove(seq)  # the newest: at the end, found at once
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = WAITING
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
@@ -169,7 +169,7 @@ class Scheduler:
         token until accept(). With async scheduling the next step is scheduled in between."""
         block_size = self.block_manager.block_size
         for seq in seqs:
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is FINISHED:
                 continue  # ended while this step was being scheduled (async scheduling)
             start = seq.num_cached_tokens
             seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
@@ -185,12 +185,12 @@ class Scheduler:
         One that ended meanwhile (finished or aborted one step earlier) drops its token."""
         accepted, any_finished = [], False
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            if seq.last_token != PENDING or seq.status is SequenceStatus.FINISHED:
+            if seq.last_token != PENDING or seq.status is FINISHED:
                 continue
             seq.token_ids[-1] = seq.last_token = token_id
             accepted.append(seq)
             if (reason := self._finish_reason(seq, token_id)) is not None:
-                if seq.status is SequenceStatus.WAITING:  # preempted while its token was computed
+                if seq.status is WAITING:  # preempted while its token was computed
                     self.waiting.remove(seq)
                 self._finish(seq, reason)
                 any_finished = True
@@ -217,7 +217,7 @@ class Scheduler:
             seq.num_tokens -= 1
             seq.last_token = seq.token_ids[-1]
         seq.num_scheduled_tokens = 0
-        seq.status = SequenceStatus.FINISHED
+        seq.status = FINISHED
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
         if seq.sampling_params.stop:
@@ -227,7 +227,7 @@ class Scheduler:
         """Drop a pending request (its n sequences), freeing their blocks; False if not pending."""
         seqs = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
         for seq in seqs:  # O(n), but aborting is rare and off the step path
-            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            (self.waiting if seq.status is WAITING else self.running).remove(seq)
             self._finish(seq, FinishReason.ABORT)
         return bool(seqs)
 
