@@ -6,10 +6,12 @@ files are as `ruff format` writes them: tests/test_style.py), kernels/ apart, an
 
     python scripts/skeleton.py              # the README's "Read the code" table
     python scripts/skeleton.py --check 3500 # exit 1 above 3,500 lines
+    python scripts/skeleton.py --readme     # write the table and its total into README.md
 """
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -115,12 +117,29 @@ def table(skeleton: list[tuple[str, int]]) -> str:
     return "\n".join(["| # | module | lines |", "|---|---|---|", *rows, f"| | total | {total} |"])
 
 
+def update_readme(skeleton: list[tuple[str, int]]) -> None:
+    """The README's table, and the total its text gives, as measured."""
+    path = ROOT / "README.md"
+    readme = path.read_text()
+    start = readme.index("| # | module | lines |")
+    end = readme.index("\n\n", start)
+    readme = readme[:start] + table(skeleton) + readme[end:]
+    total = sum(n for _, n in skeleton)
+    readme = re.sub(
+        r"every GPU run uses: [\d,]+ lines", f"every GPU run uses: {total:,} lines", readme
+    )
+    path.write_text(readme)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", type=int, help="exit 1 if the skeleton has more lines")
+    parser.add_argument("--readme", action="store_true", help="update README.md's table")
     args = parser.parse_args()
     skeleton, kernels = measure()
     print(table(skeleton))
+    if args.readme:
+        update_readme(skeleton)
     kernel_lines = sum(n for _, n in kernels)
     print(f"\nkernels/ (not counted): {len(kernels)} files, {kernel_lines} lines")
     total = sum(n for _, n in skeleton)
