@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import compare, engines
+from benchmarks import compare, contention, engines
 from nanovllm.demo import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
@@ -330,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=3600,
         help="seconds one engine may take under --compare (default 3600)",
     )
+    p.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the engines quiet, then beside N busy-looping processes, and compare",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
     return p
 
@@ -512,6 +519,20 @@ def run_peer(args: argparse.Namespace, backend: str) -> dict:
     return result
 
 
+def run_engines(args: argparse.Namespace) -> list[dict]:
+    """nanovllm, then each peer, each in its own process group; a table of the results."""
+    results = [run_peer(args, "nanovllm")]
+    peer_args = argparse.Namespace(**vars(args))
+    if args.dtype == "auto" and results[0]["status"] == "ok":
+        peer_args.dtype = results[0]["dtype"]  # every engine runs the same dtype
+    results += [run_peer(peer_args, b) for b in args.peers]
+    for r in results:
+        if r["status"] != "ok" and r.get("error"):
+            print(f"{r['engine']}: {r['error']}", file=sys.stderr)
+    compare.print_table(results)
+    return results
+
+
 def uses_cuda(device: str) -> bool:
     if device == "cpu":
         return False
@@ -523,16 +544,14 @@ def uses_cuda(device: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print_machine(machine())
-    if args.peers:
-        results = [run_peer(args, "nanovllm")]
-        peer_args = argparse.Namespace(**vars(args))
-        if args.dtype == "auto" and results[0]["status"] == "ok":
-            peer_args.dtype = results[0]["dtype"]  # every engine runs the same dtype
-        results += [run_peer(peer_args, b) for b in args.peers]
-        for r in results:
-            if r["status"] != "ok" and r.get("error"):
-                print(f"{r['engine']}: {r['error']}", file=sys.stderr)
-        compare.print_table(results)
+    if args.contend:
+        quiet = run_engines(args)
+        with contention.busy_processes(args.contend):
+            busy = run_engines(args)
+        contention.print_table(quiet, busy, args.contend)
+        results = quiet + busy
+    elif args.peers:
+        results = run_engines(args)
         print_result(results[0])
     else:
         results = [run_backend(args)]

@@ -37,6 +37,7 @@ class Config:
     load_format: str = "auto"
     enable_prefix_caching: bool = True
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
+    cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (runner/cpu_threads.py)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -57,6 +58,7 @@ class Config:
             check_int(name, getattr(self, name), minimum=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
         check_int("data_parallel_size", self.data_parallel_size, minimum=1)
+        check_int("cpu_threads", self.cpu_threads, minimum=0)
         if check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1) == 0:
             raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
         check_number(

@@ -36,6 +36,7 @@ READING_ORDER = [
     "nanovllm/runner/kv_cache.py",
     "nanovllm/runner/cuda_graph.py",
     "nanovllm/runner/cpu.py",
+    "nanovllm/runner/cpu_threads.py",
     "nanovllm/models/registry.py",
     "nanovllm/models/qwen3.py",
     "nanovllm/models/decoder.py",

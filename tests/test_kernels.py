@@ -20,7 +20,7 @@ if sys.platform == "linux":  # a hard dependency there: missing, it fails, not s
     import triton  # noqa: F401
 
 from nanovllm.attention import backend as attention
-from nanovllm.attention import select_backend
+from nanovllm.attention.backend import select_backend
 from nanovllm.kernels import interpreted
 
 KERNEL_TESTS = Path(__file__).parent / "kernels"

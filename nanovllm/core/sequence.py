@@ -41,30 +41,6 @@ class FinishReason(Enum):
 
 
 class Sequence:
-    __slots__ = (
-        "seq_id",
-        "status",
-        "token_ids",
-        "last_token",
-        "num_tokens",
-        "num_prompt_tokens",
-        "num_cached_tokens",
-        "num_scheduled_tokens",
-        "is_prefill",
-        "block_table",
-        "max_num_tokens",
-        "block_size",
-        "sampling_params",
-        "stop_token_ids",
-        "finish_reason",
-        "stop_text",
-        "index",
-        "parent",
-        "request_id",
-        "logprobs",
-        "prompt_logprobs",
-        "num_prefix_cached_tokens",
-    )
     _next_id = count()
 
     def __init__(

@@ -117,6 +117,9 @@ class SpawnedReplicas(Replicas):
         self.processes: list[mp.process.BaseProcess] = []
         threads = max(1, torch.get_num_threads() // config.data_parallel_size)
         gpus = torch.cuda.device_count() if config.device != "cpu" else 0
+        if not gpus:  # the replicas share the CPUs: this one's share too
+            kwargs["cpu_threads"] = config.cpu_threads or threads
+            torch.set_num_threads(kwargs["cpu_threads"])
         for replica in range(1, config.data_parallel_size):
             first = replica * config.tensor_parallel_size  # its GPUs, when there are GPUs
             devices = ",".join(map(str, range(first, first + config.tensor_parallel_size)))

@@ -156,7 +156,7 @@ def as_params_list(sampling_params: object, num_prompts: int) -> list[SamplingPa
             "pass one SamplingParams for all, or exactly one per prompt"
         )
     for i, params in enumerate(sampling_params):
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams):  # None too: only a lone None means defaults
             raise TypeError(
                 f"prompt {i}: sampling params must be a SamplingParams, got {type(params).__name__}"
             )

@@ -3,7 +3,8 @@
 import torch
 from torch import nn
 
-from nanovllm.attention import AttentionBackend, get_context
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.metadata import get_context
 
 
 class Attention(nn.Module):

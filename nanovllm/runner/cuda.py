@@ -1,5 +1,6 @@
-"""What a CUDA runner adds before its KV cache exists: the memory measurements that size it
-(docs/cuda.md says why each term is there) and a warmup that compiles every kernel up front.
+"""What a CUDA runner adds: before its KV cache exists, the memory measurements that size it
+(docs/cuda.md says why each term is there) and a warmup that compiles every kernel up front;
+each step, its host-built inputs copied to the device without a sync (on_device).
 
     budget = min(gpu_memory_utilization * total - peak - graph_pool,
                  free - (peak - current) - graph_pool) - SAFETY_MARGIN
@@ -8,13 +9,15 @@
 plus what appeared outside it since start-up (NCCL buffers, kernels). Other processes' memory
 only lowers `free`: it can shrink the cache, never drive the arithmetic negative."""
 
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from nanovllm.core.sequence import Sequence
+from nanovllm.device import to_device
 from nanovllm.runner.kv_cache import bind_kv_cache
-from nanovllm.runner.step_inputs import prepare_inputs
+from nanovllm.runner.step_inputs import StepInputs, prepare_inputs
 from nanovllm.sampling.metadata import SamplingMetadataBuilder
 from nanovllm.sampling_params import SamplingParams
 
@@ -116,3 +119,30 @@ def warmup_sampler(runner: "ModelRunner") -> None:
         metadata = SamplingMetadataBuilder(vocab_size, runner.device).build(seqs)
         logits = torch.zeros(num_rows, vocab_size, dtype=runner.dtype, device=runner.device)
         runner.sampler(logits, metadata)
+
+
+def on_device(inputs: StepInputs, device: torch.device) -> StepInputs:
+    """Host-built inputs with every tensor (the context's and its metadata's too) on `device`:
+    from pinned memory, non-blocking, queued behind the device's work."""
+    ctx = inputs.context
+    return StepInputs(
+        to_device(inputs.input_ids, device),
+        to_device(inputs.positions, device),
+        replace(
+            _moved(ctx, device),
+            decode=_moved(ctx.decode, device),
+            prefill=_moved(ctx.prefill, device),
+        ),
+    )
+
+
+def _moved(obj: object, device: torch.device) -> object:
+    """A dataclass with its tensor fields copied to `device`; None stays None."""
+    if obj is None:
+        return None
+    tensors = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            tensors[f.name] = to_device(value, device)
+    return replace(obj, **tensors)

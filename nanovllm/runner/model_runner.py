@@ -12,7 +12,8 @@ import weakref
 
 import torch
 
-from nanovllm.attention import AttentionBackend, attention_context, select_backend
+from nanovllm.attention.backend import AttentionBackend, select_backend
+from nanovllm.attention.metadata import attention_context
 from nanovllm.compilation import compile_scope
 from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
@@ -24,13 +25,14 @@ from nanovllm.models.hf_config import checkpoint_dtype
 from nanovllm.models.loader import load_model
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner import cpu
+from nanovllm.runner.cpu_threads import set_num_threads
 from nanovllm.runner.kv_cache import (
     bind_kv_cache,
     block_table_width,
     kv_cache_shape,
     num_blocks_within,
 )
-from nanovllm.runner.step_inputs import StepInputs, on_device, prepare_inputs
+from nanovllm.runner.step_inputs import StepInputs, prepare_inputs
 from nanovllm.sampling.metadata import SamplingMetadataBuilder
 from nanovllm.sampling.sampler import Sampler, SamplerOutput
 
@@ -56,6 +58,8 @@ class ModelRunner:
         self.device = self._pick_device()
         if self.device.type == "cpu":
             cpu.keep_freed_host_memory()
+            ranks_here = config.tensor_parallel_size if self.launch is None else 1
+            set_num_threads(config.cpu_threads, ranks_here)
         self.dtype = self._pick_dtype()
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.workers = None  # rank 0's handle on the spawned ranks 1..N-1
@@ -224,7 +228,11 @@ class ModelRunner:
         """Every rank: host-built inputs onto the device, then the model; the logits of each
         sequence's last row (on rank 0). `feed` = (the step before's sampled ids, [(row, its row
         in that step)]): rows whose input token is still on the device, taken there."""
-        input_ids, positions, ctx = on_device(inputs, self.device)
+        if self.device.type == "cuda":
+            from nanovllm.runner.cuda import on_device
+
+            inputs = on_device(inputs, self.device)
+        input_ids, positions, ctx = inputs
         if feed is not None:
             previous_ids, pairs = feed
             rows, previous_rows = list_to_device(pairs, self.device).unbind(1)

@@ -1,5 +1,5 @@
 """A scheduled batch (decode rows first) -> the model's inputs and the step's ForwardContext,
-built on the host (what rank 0 sends tensor-parallel workers), then on_device(). A sequence
+built on the host (what rank 0 sends tensor-parallel workers), then on the device. A sequence
 computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V goes to its
 slot (block_size 4):
 
@@ -8,15 +8,13 @@ slot (block_size 4):
     slots        28 29 30 31 | 8  9
 """
 
-from dataclasses import fields, replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from nanovllm.attention import AttentionMetadata, ForwardContext
+from nanovllm.attention.metadata import AttentionMetadata, ForwardContext
 from nanovllm.core.sequence import Sequence, logits_rows
-from nanovllm.device import to_device
 
 
 class StepInputs(NamedTuple):
@@ -67,34 +65,6 @@ def _slot_mapping(
         rows = np.repeat(np.arange(len(lens_q)), lens_q)
     blocks = block_tables[rows, positions // block_size].astype(np.int64)
     return blocks * block_size + positions % block_size
-
-
-def on_device(inputs: StepInputs, device: torch.device) -> StepInputs:
-    """Host-built inputs with every tensor (the context's and its metadata's too) on `device`."""
-    if device.type == "cpu":
-        return inputs
-    ctx = inputs.context
-    return StepInputs(
-        to_device(inputs.input_ids, device),
-        to_device(inputs.positions, device),
-        replace(
-            _moved(ctx, device),
-            decode=_moved(ctx.decode, device),
-            prefill=_moved(ctx.prefill, device),
-        ),
-    )
-
-
-def _moved(obj: object, device: torch.device) -> object:
-    """A dataclass with its tensor fields copied to `device`; None stays None."""
-    if obj is None:
-        return None
-    tensors = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, torch.Tensor):
-            tensors[f.name] = to_device(value, device)
-    return replace(obj, **tensors)
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:

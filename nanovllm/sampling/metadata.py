@@ -61,7 +61,9 @@ class SamplingMetadataBuilder:
 
             m.bias = build_bias(seqs, self.put)
         if any(p.has_penalties for p in params):
-            m.penalties = self._penalties(seqs)
+            from nanovllm.sampling.penalties import build_penalties
+
+            m.penalties = build_penalties(seqs, self)
         if not m.all_greedy:
             if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
                 from nanovllm.sampling.filters import build_filters
@@ -75,10 +77,3 @@ class SamplingMetadataBuilder:
 
     def put(self, data: list | np.ndarray) -> torch.Tensor:
         return list_to_device(data, self.device)
-
-    def _penalties(self, seqs: list[Sequence]) -> "Penalties | None":
-        from nanovllm.sampling.penalties import TokenCounts, build_penalties
-
-        if self.token_counts is None:
-            self.token_counts = TokenCounts(self.vocab_size, self.device)
-        return build_penalties(seqs, self.token_counts, self.put)

@@ -1,0 +1,104 @@
+"""How many threads a CPU run computes with: what the process may really use, not every core the
+machine shows (a container limited to 1.5 CPUs on a 64-core host sees 64 cores, and 64 threads
+whose barriers wait on descheduled ones):
+
+    OMP_NUM_THREADS set      it wins (torch took it when it started)
+    Config.cpu_threads > 0   as asked
+    else                     the physical cores of the affinity mask, at most the cgroup's CPU
+                             quota (rounded down), shared by the engine's ranks here; at least 1
+"""
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+
+class ThreadChoice(NamedTuple):
+    num_threads: int
+    reason: str
+
+
+def choose_num_threads(
+    configured: int, environ: Mapping[str, str], cores: int, quota: float | None, ranks: int = 1
+) -> ThreadChoice:
+    """The rule above: `cores` the process may run on, `quota` CPUs per period its cgroup
+    allows (None: no limit), `ranks` the engine's processes sharing them."""
+    if environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        return ThreadChoice(int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS is set")
+    if configured > 0:
+        return ThreadChoice(configured, "cpu_threads as configured")
+    cpus, why = cores, f"{cores} cores in this process's affinity mask"
+    if quota is not None and quota < cores:
+        cpus, why = math.floor(quota), f"the cgroup's CPU quota is {quota:g} CPUs"
+    if ranks > 1:
+        cpus, why = cpus // ranks, f"{why}, shared by {ranks} ranks"
+    return ThreadChoice(max(1, cpus), why)
+
+
+def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Distinct (package, core) pairs among `cpus`: hyperthread siblings count once, as in
+    torch's default. len(cpus) where the topology is unknown."""
+    cores = set()
+    for cpu in cpus:
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        try:
+            package, core = (topology / "physical_package_id").read_text(), (topology / "core_id")
+            cores.add((package, core.read_text()))
+        except OSError:
+            return len(cpus)
+    return len(cores)
+
+
+def cgroup_cpu_quota(
+    root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """CPUs per period this process's cgroup may use: the tightest quota on its path to the root,
+    cgroup v2 (cpu.max) or v1 (cpu.cfs_quota_us / cpu.cfs_period_us); None without one."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        is_v2 = controllers == ""
+        if is_v2 or "cpu" in controllers.split(","):
+            mount = root if is_v2 else root / "cpu"
+            for directory in [mount / path.strip("/"), *(mount / path.strip("/")).parents]:
+                quotas.append(_read_quota(directory, is_v2))
+                if directory == mount:
+                    break
+    return min((q for q in quotas if q is not None), default=None)
+
+
+def _read_quota(directory: Path, is_v2: bool) -> float | None:
+    try:
+        if is_v2:
+            quota, period = (directory / "cpu.max").read_text().split()
+        else:
+            quota, period = (
+                (directory / f"cpu.cfs_{f}_us").read_text() for f in ("quota", "period")
+            )
+    except (OSError, ValueError):
+        return None
+    return None if quota.strip() in ("max", "-1") else int(quota) / int(period)
+
+
+def set_num_threads(configured: int, ranks: int = 1) -> ThreadChoice:
+    """Choose and set torch's intra-op threads for this process; a new choice is logged once."""
+    cores = physical_cores(os.sched_getaffinity(0))
+    choice = choose_num_threads(configured, os.environ, cores, cgroup_cpu_quota(), ranks)
+    if choice.num_threads != torch.get_num_threads():
+        torch.set_num_threads(choice.num_threads)
+    if choice not in _logged:
+        _logged.add(choice)
+        logging.getLogger("nanovllm").info("CPU threads: %d (%s)", *choice)
+    return choice
+
+
+_logged: set[ThreadChoice] = set()
