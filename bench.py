@@ -331,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one engine may take under --compare (default 3600)",
     )
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=("int8",),
+        help="nanovllm's weights quantized at load (int8: a CPU's; default none)",
+    )
+    p.add_argument(
         "--contend",
         type=int,
         default=0,
@@ -490,6 +496,7 @@ def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[s
         "threads",
         "hf_batch_size",
         "scheduling_policy",
+        "quantization",
     ):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -136,6 +136,7 @@ def main() -> None:
                 cpu_kvcache_space_gib=1.0,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 scheduling_policy=policy,
+                cpu_threads=args.threads,
                 **extra,
             ) as llm:
                 r = run(llm, requests)

@@ -122,6 +122,7 @@ def main() -> None:
                 max_num_seqs=batch,
                 kvcache_block_size=16,
                 max_model_len=args.context + args.steps + 64,
+                cpu_threads=args.threads,
             ) as llm:
                 r = measure(llm, batch, args.context, args.steps)
             print(f"{batch:>5} " + " ".join(f"{r[n]:>8.3f}" for n in ("step", "host", *PARTS)))

@@ -62,6 +62,7 @@ def main() -> None:
             max_model_len=4096,
             kvcache_block_size=block,
             num_kvcache_blocks=2 * args.n * 4096 // block,
+            cpu_threads=args.threads,
         )
         print(f"preset {args.preset}, block size {block}, torch threads {torch.get_num_threads()}")
         for length in args.prompt_len:

@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULING_POLICIES = ("mixed", "prefill_first")
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Config:
     enable_prefix_caching: bool = True
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
     cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (runner/cpu_threads.py)
+    quantization: str | None = None  # "int8": weights quantized at load (layers/quantization.py)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -80,6 +82,8 @@ class Config:
                 "async_scheduling works on one rank: pass tensor_parallel_size=1 "
                 "or async_scheduling=False"
             )
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, QUANTIZATIONS)
         for name, allowed in (
             ("device", DEVICES),
             ("dtype", DTYPES),

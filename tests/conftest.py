@@ -127,3 +127,13 @@ def assert_clear_argmax(logits, what: str) -> None:
         f"could flip the token and the comparison would be flaky; choose another prompt "
         f"(or checkpoint seed)"
     )
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory) -> dict[str, Path]:
+    """name -> checkpoint directory, one per entry of tests/families.py's FAMILIES."""
+    from families import FAMILIES, build_family_checkpoint, build_tokenizer_once
+
+    root = tmp_path_factory.mktemp("families")
+    tokenizer = build_tokenizer_once(root / "tokenizer")
+    return {name: build_family_checkpoint(root / name, name, tokenizer) for name in FAMILIES}

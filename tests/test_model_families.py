@@ -14,8 +14,6 @@ from conftest import hf_greedy, hf_model
 from families import (
     FAMILIES,
     LLAMA3_ROPE,
-    build_family_checkpoint,
-    build_tokenizer_once,
     edit_config,
 )
 from safetensors.torch import load_file, save_file
@@ -31,14 +29,6 @@ NEW_TOKENS = 16
 # original_max_position_embeddings (32), where its RoPE scaling matters most.
 PROMPT_LENGTHS = (1, BLOCK + 1, 40, 100)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="session")
-def families(tmp_path_factory) -> dict[str, Path]:
-    """name -> checkpoint directory, one per entry of tests/families.py's FAMILIES."""
-    root = tmp_path_factory.mktemp("families")
-    tokenizer = build_tokenizer_once(root / "tokenizer")
-    return {name: build_family_checkpoint(root / name, name, tokenizer) for name in FAMILIES}
 
 
 def make_prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.distributed import launched_by_torchrun
-from nanovllm.distributed.group import join_tp_group
+from nanovllm.distributed.collectives import join_tp_group
 from nanovllm.distributed.launch import (
     Torchrun,
     all_gather_objects,

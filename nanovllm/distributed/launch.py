@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.distributed import launched_by_torchrun
-from nanovllm.distributed.group import GROUP_TIMEOUT, SINGLE_RANK, TPGroup, join_tp_group
+from nanovllm.distributed.collectives import GROUP_TIMEOUT, join_tp_group
+from nanovllm.distributed.group import SINGLE_RANK, TPGroup
 
 _engine_ids = count()  # every rank builds its engines in the same order: ids agree
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nanovllm.distributed.group import GROUP_TIMEOUT, TPGroup, join_tp_group
+from nanovllm.distributed.collectives import GROUP_TIMEOUT, join_tp_group
+from nanovllm.distributed.group import TPGroup
 
 if TYPE_CHECKING:
     from nanovllm.config import Config

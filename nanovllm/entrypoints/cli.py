@@ -14,6 +14,7 @@ import argparse
 import signal
 import socket
 import sys
+import typing
 from dataclasses import MISSING, fields
 
 from nanovllm.config import Config
@@ -54,13 +55,20 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
                 flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=default
             )
         else:
+            kind = option_type(f.type)
             group.add_argument(
                 flag,
-                type=f.type,
+                type=kind,
                 default=argparse.SUPPRESS,
-                metavar=f.type.__name__.upper(),
+                metavar=kind.__name__.upper(),
                 help=default,
             )
+
+
+def option_type(annotation: object) -> type:
+    """The type an option's text converts to: X for a field of type X or X | None."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 else annotation
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,9 +51,12 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    packed: torch.Tensor | None = None,
+    packed: object | None = None,
 ) -> torch.Tensor:
-    """F.linear; on a CPU through `packed` (pack_linear_weights) for a few rows."""
+    """F.linear, or the layer's own GEMM over `packed`: a weight format's (int8, its `linear`:
+    layers/quantization.py), or on a CPU oneDNN's over a blocked copy (pack_linear_weights)."""
+    if packed is not None and not isinstance(packed, torch.Tensor):
+        return packed.linear(x, bias)
     if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -73,7 +73,7 @@ class ModelRunner:
         with compile_scope(self.device.type == "cuda" and not config.enforce_eager):
             self.model = self._build_model()
             self.sampler = Sampler()
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and config.quantization is None:
             cpu.pack_linear_weights_if_they_fit(self.model, config.tensor_parallel_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
@@ -134,6 +134,10 @@ class ModelRunner:
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
         else:
             load_model(model, self.config.model)
+        if self.config.quantization is not None:  # a weight format: quantized once loaded
+            from nanovllm.layers.quantization import quantize_model
+
+            quantize_model(model.requires_grad_(False), self.config.quantization)
         return model.requires_grad_(False)
 
     def _make_graph_runner(self):

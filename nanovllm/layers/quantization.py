@@ -1,0 +1,73 @@
+"""Int8 weight-only quantization, `LLM(path, quantization="int8")` (vLLM's argument): once the
+checkpoint is loaded, each linear layer's weight (the LM head's too) is quantized symmetrically
+per output channel,
+
+    scale[n] = max_k |W[n, k]| / 127        q[n, k] = round(W[n, k] / scale[n])    int8
+
+and its float weight freed. A layer's GEMM then reads the int8 weight, a quarter of float32's
+bytes: y = x @ (q * scale)^T computed by kernels/cpu_int8.py without a float copy of the weight
+(a decode step reads every weight once, so it is memory-bound), or, for prefill chunks of more
+rows than the kernel pays at, by a dequantized copy made for the call. Activations stay in the
+model's dtype. The token embedding stays float (a lookup reads a few rows; tied to the LM head, the
+head quantizes its own copy). Qwen3-MoE's router (a replicated linear, tiny, and its scores pick
+the experts) and experts (their GEMMs are not linear layers) stay float too, as in vLLM. Imported
+only when quantization is asked for; on a CPU only.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.kernels import cpu_int8
+from nanovllm.layers.embed_head import ParallelLMHead
+from nanovllm.layers.linear import LinearBase, ReplicatedLinear
+
+QUANTIZATIONS = ("int8",)
+# Above this many rows (a prefill chunk) a dequantized float copy and F.linear beat the int8
+# kernel, which reuses each dequantized weight tile over at most a few rows at a time.
+KERNEL_MAX_ROWS = 64
+
+
+class Int8Weight:
+    """A layer's weight in int8 with its per-channel scales; `linear` is the layer's GEMM."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.qweight, self.scale = cpu_int8.quantize(weight)
+        self.library = cpu_int8.load()
+        self.packed = None if self.library is None else cpu_int8.pack(self.qweight)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.library is None or rows.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float16:
+            weight = cpu_int8.dequantize(self.qweight, self.scale).to(x.dtype)
+            return F.linear(x, weight, bias)
+        out = cpu_int8.linear(self.library, rows, self.packed, self.scale, self.out_features, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantize every linear layer (and the LM head) of a loaded model in place; the count."""
+    assert method in QUANTIZATIONS, method  # Config checked it
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={method!r} runs on a CPU (its GEMM is a CPU kernel), not on "
+            f"{device.type}; pass device='cpu', or no quantization"
+        )
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ReplicatedLinear):
+            continue  # an MoE router: see the top
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            module.packed = Int8Weight(module.weight.detach())
+            if not _shared(model, module.weight):  # a tied LM head keeps the embedding's
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            count += 1
+    return count
+
+
+def _shared(model: nn.Module, weight: nn.Parameter) -> bool:
+    """Another module holds `weight` too (the embedding, when the LM head is tied)."""
+    holders = [m for m in model.modules() if any(p is weight for p in m.parameters(recurse=False))]
+    return len(holders) > 1
