@@ -40,6 +40,7 @@ class Config:
     cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (runner/cpu_threads.py)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,8 +72,8 @@ class Config:
             float("inf"),
             "> 0",
             low_open=True,
-            high_open=True,
         )
+        check_int("max_logprobs", self.max_logprobs, minimum=0)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if check_bool("async_scheduling", self.async_scheduling) and self.tensor_parallel_size > 1:

@@ -127,3 +127,16 @@ def assert_clear_argmax(logits, what: str) -> None:
         f"could flip the token and the comparison would be flaky; choose another prompt "
         f"(or checkpoint seed)"
     )
+
+
+@pytest.fixture(scope="session")
+def server(bos_checkpoint):
+    """One server for the server tests (tests/serving.py has the helpers), on the BOS
+    checkpoint: completions add the BOS to text (as LLM.generate does) and chat's template is
+    rendered without it (as LLM.chat does), so the two tokenize differently. Its body limit is
+    16 MiB, so that a 12 MB prompt reaches the prompt-length check."""
+    from serving import ENGINE, NAME, engine_flags, running_server
+
+    flags = ["--served-model-name", NAME, "--max-request-bytes", str(16 * 2**20)]
+    with running_server(bos_checkpoint, *flags, *engine_flags(**ENGINE)) as running:
+        yield running

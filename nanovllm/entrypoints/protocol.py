@@ -4,15 +4,17 @@ the response objects of /v1/completions and /v1/chat/completions (streamed or wh
 Shapes are those of OpenAI's API reference (the `openai` client's types), with vLLM's
 extras: `stop_reason` on a choice and sampling fields OpenAI lacks (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...). A bad value
-raises TypeError / ValueError naming the field (SamplingParams' own checks included); the
-server answers those with 400.
+raises TypeError / ValueError whose message begins with the field's name (SamplingParams'
+own checks included); the server answers those with 400.
 """
 
 import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from numbers import Integral
+from typing import NamedTuple
 
 from nanovllm.engine.async_engine import Delta
 from nanovllm.outputs import Logprob
@@ -39,8 +41,9 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
 )
 # OpenAI fields this server does not implement: refused when set rather than ignored.
-UNSUPPORTED_FIELDS = ("suffix", "echo", "tools", "functions", "response_format", "prompt_logprobs")
+UNSUPPORTED_FIELDS = ("suffix", "tools", "functions", "response_format", "prompt_logprobs")
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+Decode = Callable[[int], str]  # a token id -> its text
 
 
 def parse_body(raw: bytes) -> dict:
@@ -53,13 +56,29 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def check_fields(body: dict) -> None:
+def check_fields(body: dict, chat: bool) -> None:
     """Fields that every request checks the same way."""
     for name in UNSUPPORTED_FIELDS:
         if body.get(name):
             raise ValueError(f"{name} is not supported by this server")
     if body.get("stream") is not None:
         check_bool("stream", body["stream"])
+    if echo(body) and (chat or body.get("stream")):
+        raise ValueError(
+            "echo is supported on /v1/completions without stream (as lm-eval and other "
+            "evaluation harnesses send it)"
+        )
+
+
+def echo(body: dict) -> bool:
+    """Completions' echo: the prompt (its text, and with logprobs its tokens' logprobs, the
+    first None) before the completion in each choice."""
+    return body.get("echo") is not None and check_bool("echo", body["echo"])
+
+
+def echo_only(body: dict) -> bool:
+    """echo with max_tokens 0: the prompt and no completion (how lm-eval scores a text)."""
+    return echo(body) and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
 
 
 def include_usage(body: dict) -> bool:
@@ -72,26 +91,62 @@ def include_usage(body: dict) -> bool:
     return check_bool("stream_options.include_usage", options.get("include_usage", False))
 
 
-def sampling_params(body: dict, chat: bool) -> SamplingParams:
+def sampling_params(
+    body: dict, chat: bool, max_model_len: int, max_logprobs: int
+) -> SamplingParams:
     """The request's SamplingParams. max_tokens defaults as in vLLM: 16 for completions,
-    up to max_model_len for chat. Chat's logprobs is a bool with top_logprobs beside it."""
+    up to max_model_len for chat. Chat's logprobs is a bool with top_logprobs beside it.
+    With echo, the prompt's logprobs are asked as many as the completion's."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = logit_bias(body["logit_bias"])
     if not chat:
         kwargs.setdefault("max_tokens", 16)
         if body.get("logprobs") is not None:
-            kwargs["logprobs"] = body["logprobs"]
+            kwargs["logprobs"] = check_logprobs("logprobs", body["logprobs"], max_logprobs)
+        if echo(body):
+            kwargs["prompt_logprobs"] = kwargs.get("logprobs")
+        if echo_only(body):
+            # The engine computes a prompt's logprobs as it computes the prompt, which a
+            # request does only to generate: it generates one token, which the response
+            # leaves out (vLLM does the same).
+            kwargs["max_tokens"] = 1
     else:
-        kwargs.setdefault("max_tokens", body.get("max_completion_tokens"))
+        if body.get("max_completion_tokens") is not None:
+            kwargs.setdefault(
+                "max_tokens",
+                check_int("max_completion_tokens", body["max_completion_tokens"], minimum=1),
+            )
         top = body.get("top_logprobs")
         if top is not None:
-            check_int("top_logprobs", top, minimum=0, maximum=20)
+            check_logprobs("top_logprobs", top, max_logprobs)
         if check_bool("logprobs", body.get("logprobs") or False):
             kwargs["logprobs"] = top or 0
         elif top:
             raise ValueError("top_logprobs needs logprobs: true")
+    named = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    check_max_tokens(kwargs.get("max_tokens"), max_model_len, named)
     return SamplingParams(**kwargs)
+
+
+def check_logprobs(name: str, value: object, max_logprobs: int) -> int:
+    """vLLM's cap: a request's logprobs (each a dict per token) at most max_logprobs."""
+    if check_int(name, value, minimum=0) > max_logprobs:
+        raise ValueError(
+            f"{name}={value} is more than max_logprobs={max_logprobs}, this server's limit "
+            f"(the engine's max_logprobs)"
+        )
+    return value
+
+
+def check_max_tokens(max_tokens: object, max_model_len: int, name: str) -> None:
+    """More completion tokens than the context holds are refused, in vLLM's words (fewer are
+    accepted, prompt or not: generation stops at max_model_len tokens in all)."""
+    if type(max_tokens) is int and max_tokens > max_model_len:
+        raise ValueError(
+            f"{name}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens."
+        )
 
 
 def logit_bias(bias: object) -> dict[int, float]:
@@ -111,23 +166,30 @@ def logit_bias(bias: object) -> dict[int, float]:
 
 def completion_prompts(prompt: object) -> list[str | list[int]]:
     """A completions prompt: a string, token ids, or a list of either (one choice set each)."""
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
-    ):
+    if isinstance(prompt, str) or _is_token_ids(prompt):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise TypeError(
             "prompt must be a string, a list of token ids, or a non-empty list of those"
         )
     for item in prompt:
-        if not isinstance(item, (str, list)):
+        if not isinstance(item, str) and not _is_token_ids(item):
             raise TypeError(
                 f"prompt must be a string, a list of token ids, or a list of "
                 f"those; it holds a {type(item).__name__}"
             )
     return list(prompt)
+
+
+def _is_token_ids(prompt: object) -> bool:
+    """A list that begins with a number is meant as token ids (each is checked with the
+    prompt, off the event loop: a list can be long)."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and isinstance(prompt[0], (Integral, float))
+        and not isinstance(prompt[0], bool)
+    )
 
 
 def chat_messages(messages: object) -> list[dict]:
@@ -195,6 +257,15 @@ class ResponseHead:
         return {**self.fields, **rest}
 
 
+class Echo(NamedTuple):
+    """A prompt as echo repeats it: its text as sent (token ids: decoded), its ids and, if
+    asked, its tokens' logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None] | None
+
+
 def usage(prompt_token_ids: list[list[int]], num_completion_tokens: int) -> dict:
     prompt_tokens = sum(map(len, prompt_token_ids))  # each prompt once, whatever n is
     return {
@@ -217,11 +288,31 @@ def merge(deltas: list[Delta], num_choices: int) -> list[Delta]:
     return merged
 
 
-def completion_choice(delta: Delta, top_k: int | None) -> dict:
+def echoed(delta: Delta, prompt: Echo, keep_completion: bool) -> Delta:
+    """A whole choice with its prompt before it (echo): text, token ids and, if asked,
+    logprobs (the prompt's first entry None); only the prompt if not keep_completion."""
+    if not keep_completion:
+        delta = Delta(delta.index, "", [], None if delta.logprobs is None else [], "length")
+    logprobs = None if delta.logprobs is None else [*prompt.logprobs, *delta.logprobs]
+    return Delta(
+        delta.index,
+        prompt.text + delta.text,
+        [*prompt.token_ids, *delta.token_ids],
+        logprobs,
+        delta.finish_reason,
+        delta.stop_reason,
+    )
+
+
+def completion_choice(
+    delta: Delta, top_k: int | None, text_offset: int = 0, decode: Decode | None = None
+) -> dict:
     return {
         "index": delta.index,
         "text": delta.text,
-        "logprobs": None if top_k is None else completion_logprobs(delta, top_k),
+        "logprobs": None
+        if top_k is None
+        else completion_logprobs(delta, top_k, text_offset, decode),
         "finish_reason": delta.finish_reason,
         "stop_reason": delta.stop_reason,
     }
@@ -238,16 +329,35 @@ def chat_choice(delta: Delta, top_k: int | None, streamed: bool) -> dict:
     }
 
 
-def completion_logprobs(delta: Delta, top_k: int) -> dict:
-    """The legacy completions shape: parallel lists over the tokens."""
-    chosen = [entry[token] for token, entry in zip(delta.token_ids, delta.logprobs)]
+def completion_logprobs(
+    delta: Delta, top_k: int, text_offset: int = 0, decode: Decode | None = None
+) -> dict:
+    """The legacy completions shape, parallel lists over the tokens: each token's text and
+    logprob, its top_k alternatives and itself (OpenAI's "up to logprobs + 1"), and where its
+    text begins (text_offset: `text_offset` plus the lengths of the tokens before it, as
+    vLLM counts). An echoed prompt's first token has no entry: its logprob and top are None
+    and `decode` gives its text."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token, entry in zip(delta.token_ids, delta.logprobs):
+        if entry is None:
+            text, logprob, top = decode(token), None, None
+        else:
+            chosen = entry[token]
+            text, logprob = chosen.decoded_token, max(chosen.logprob, MIN_LOGPROB)
+            top = {
+                lp.decoded_token: max(lp.logprob, MIN_LOGPROB)
+                for lp in (chosen, *_top(entry, top_k))
+            }
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
     return {
-        "tokens": [lp.decoded_token for lp in chosen],
-        "token_logprobs": [max(lp.logprob, MIN_LOGPROB) for lp in chosen],
-        "top_logprobs": [
-            {lp.decoded_token: max(lp.logprob, MIN_LOGPROB) for lp in _top(entry, top_k)}
-            for entry in delta.logprobs
-        ],
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
     }
 
 
