@@ -15,6 +15,7 @@ closed, exit status 0.
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -137,7 +138,8 @@ def listen(parser: argparse.ArgumentParser, host: str, port: int) -> socket.sock
     try:
         return socket.create_server((host, port), family=family)
     except OSError as e:
-        parser.exit(2, f"nanovllm serve: cannot listen on {host}:{port}: {e.strerror or e}\n")
+        reason = os.strerror(e.errno) if e.errno else str(e)  # "Address already in use"
+        parser.exit(2, f"nanovllm serve: cannot listen on {host}:{port}: {reason}\n")
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socket.socket) -> int:

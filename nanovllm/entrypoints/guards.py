@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from fastapi import FastAPI, Request
@@ -156,10 +157,10 @@ class IdleTrim:
 
     def __init__(self):
         self.in_flight = 0
-        self.dirty = False  # a request ran since the last trim
+        self.dirty = False  # a POST ran since the last trim
         self.trim = _malloc_trim()
 
-    async def run(self, offload) -> None:
+    async def run(self, offload: Callable[..., Awaitable]) -> None:
         """The trimming loop (a task of the server's lifespan); `offload` runs it off the
         event loop (a trim of a large heap takes milliseconds)."""
         if self.trim is None:
@@ -180,7 +181,7 @@ class IdleTrimMiddleware:
             await self.app(scope, receive, send)
             return
         self.idle.in_flight += 1
-        self.idle.dirty = True
+        self.idle.dirty |= scope["method"] == "POST"  # monitors' GETs allocate little
         try:
             await self.app(scope, receive, send)
         finally:

@@ -27,13 +27,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from nanovllm.engine.async_engine import AsyncEngine, Delta, RequestStream
-from nanovllm.entrypoints import guards, protocol
+from nanovllm.entrypoints import guards, protocol, responses
 from nanovllm.entrypoints.guards import HTTPOptions
-from nanovllm.entrypoints.protocol import Echo, ResponseHead, error_body
+from nanovllm.entrypoints.metrics import EngineMetrics
+from nanovllm.entrypoints.protocol import error_body
+from nanovllm.entrypoints.responses import ResponseHead
 from nanovllm.entrypoints.tokenization import Prompt, Tokenization
 from nanovllm.sampling_params import SamplingParams
 
@@ -176,10 +177,10 @@ class OpenAIServer:
                 "chat.completion.chunk" if streamed else "chat.completion",
                 self.model_name,
             )
-            choice = functools.partial(protocol.chat_choice, top_k=top_k, streamed=streamed)
+            choice = functools.partial(responses.chat_choice, top_k=top_k, streamed=streamed)
         else:
             head = ResponseHead("cmpl", "text_completion", self.model_name)
-            choice = functools.partial(protocol.completion_choice, top_k=top_k)
+            choice = functools.partial(responses.completion_choice, top_k=top_k)
         if streamed:
             chunks = self._chunks(
                 stream, head, choice, protocol.include_usage(body), top_k is not None, chat
@@ -191,47 +192,18 @@ class OpenAIServer:
             return Response(status_code=499)
         echo = None
         if protocol.echo(body):
-            echo = await self.front.offload(self._echoes, stream, prompts)
-        make = functools.partial(self._whole, stream, head, choice, deltas, echo, body)
-        return Response(await self.front.offload(make), media_type="application/json")
-
-    def _whole(
-        self,
-        stream: RequestStream,
-        head: ResponseHead,
-        choice: Callable,
-        deltas: list[Delta],
-        echo: list[Echo] | None,
-        body: dict,
-    ) -> bytes:
-        """A whole response's JSON (in the tokenizer thread: an echoed prompt's logprobs
-        can make it large)."""
-        choices = protocol.merge(deltas, stream.num_choices)
-        num_tokens = sum(len(d.token_ids) for d in choices)
-        if echo is not None:
-            keep = not protocol.echo_only(body)
-            n = stream.params.n
-            choices = [protocol.echoed(d, echo[d.index // n], keep) for d in choices]
-            choice = functools.partial(choice, decode=self.front.tokenizer.decode)
-            num_tokens = num_tokens if keep else 0
-        response = head(
-            choices=[choice(d) for d in choices],
-            usage=protocol.usage(stream.prompt_token_ids, num_tokens),
+            echo = responses.Echoed(
+                [p.text for p in prompts],
+                stream.prompt_token_ids,
+                stream.prompt_logprobs,
+                keep_completion=not protocol.echo_only(body),
+                decode=self.front.tokenizer.decode,
+            )
+        whole = functools.partial(
+            responses.whole, head, choice, deltas, stream.num_choices, stream.prompt_token_ids, echo
         )
-        return json.dumps(response).encode()
-
-    def _echoes(self, stream: RequestStream, prompts: list[Prompt]) -> list[Echo]:
-        """Each prompt as echo repeats it (a token-id prompt's text decoded)."""
-        return [
-            Echo(
-                prompt.text if prompt.text is not None else self.tokenization.decode(ids),
-                ids,
-                logprobs,
-            )
-            for prompt, ids, logprobs in zip(
-                prompts, stream.prompt_token_ids, stream.prompt_logprobs
-            )
-        ]
+        # In the tokenizer thread: an echoed prompt's logprobs can make a large response.
+        return Response(await self.front.offload(whole), media_type="application/json")
 
     async def _accept(self, request: Request, chat: bool) -> Accepted | Response:
         """Read, parse and check the request, tokenize its prompts and queue them (the
@@ -286,7 +258,7 @@ class OpenAIServer:
                         yield head(choices=[choice(delta, text_offset=sent[delta.index])])
                     sent[delta.index] += len(delta.text)
         if with_usage:
-            yield head(choices=[], usage=protocol.usage(stream.prompt_token_ids, num_tokens))
+            yield head(choices=[], usage=responses.usage(stream.prompt_token_ids, num_tokens))
 
     async def _collect(self, request: Request, stream: RequestStream) -> list[Delta] | None:
         """Every Delta of the stream; None, and the request aborted, if the client leaves."""
@@ -351,48 +323,3 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         logger.exception("stream failed")
         yield f"data: {json.dumps(error_body(str(e), type_='internal_error'))}\n\n"
     yield "data: [DONE]\n\n"
-
-
-class EngineMetrics:
-    """A Prometheus collector reading the AsyncEngine's figures at each scrape."""
-
-    def __init__(self, front: AsyncEngine, model_name: str):
-        self.front, self.labels = front, [model_name]
-
-    def collect(self):
-        stats, front = self.front.stats, self.front
-        for family, name, doc, value in (
-            (
-                GaugeMetricFamily,
-                "num_requests_running",
-                "Sequences holding KV-cache blocks.",
-                stats.num_running,
-            ),
-            (
-                GaugeMetricFamily,
-                "num_requests_waiting",
-                "Sequences waiting to run.",
-                stats.num_waiting,
-            ),
-            (
-                GaugeMetricFamily,
-                "kv_cache_usage_perc",
-                "Fraction of KV-cache blocks in use (1 = all).",
-                stats.kv_cache_usage,
-            ),
-            (
-                CounterMetricFamily,
-                "prompt_tokens",
-                "Prompt tokens of requests taken.",
-                front.num_prompt_tokens,
-            ),
-            (
-                CounterMetricFamily,
-                "generation_tokens",
-                "Tokens generated.",
-                front.num_generation_tokens,
-            ),
-        ):
-            metric = family(f"nanovllm:{name}", doc, labels=["model_name"])
-            metric.add_metric(self.labels, value)
-            yield metric

@@ -1,23 +1,17 @@
-"""OpenAI's API in plain dicts: a request body -> prompts and SamplingParams, Deltas ->
-the response objects of /v1/completions and /v1/chat/completions (streamed or whole).
+"""OpenAI's API in plain dicts, the requests' side: a request body -> prompts and
+SamplingParams (responses.py has the other side), and the error body.
 
-Shapes are those of OpenAI's API reference (the `openai` client's types), with vLLM's
-extras: `stop_reason` on a choice and sampling fields OpenAI lacks (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...). A bad value
-raises TypeError / ValueError whose message begins with the field's name (SamplingParams'
-own checks included); the server answers those with 400.
+Shapes are those of OpenAI's API reference (the `openai` client's types), with vLLM's extras:
+sampling fields OpenAI lacks (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`min_tokens`, `stop_token_ids`, ...). A bad value raises TypeError / ValueError whose message
+begins with the field's name (SamplingParams' own checks included); the server answers those
+with 400.
 """
 
 import json
 import re
-import time
-import uuid
-from collections.abc import Callable
 from numbers import Integral
-from typing import NamedTuple
 
-from nanovllm.engine.async_engine import Delta
-from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import check_bool, check_int, check_number
 
@@ -42,8 +36,6 @@ SAMPLING_FIELDS = (
 )
 # OpenAI fields this server does not implement: refused when set rather than ignored.
 UNSUPPORTED_FIELDS = ("suffix", "tools", "functions", "response_format", "prompt_logprobs")
-MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
-Decode = Callable[[int], str]  # a token id -> its text
 
 
 def parse_body(raw: bytes) -> dict:
@@ -237,155 +229,3 @@ def param_of(message: str, body: dict) -> str | None:
     if named in body:
         return named
     return "prompt" if message.startswith("prompt") and "prompt" in body else None
-
-
-# -- responses ----------------------------------------------------------------------------
-
-
-class ResponseHead:
-    """What every object of one response shares: id, object, created, model."""
-
-    def __init__(self, prefix: str, obj: str, model: str):
-        self.fields = {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
-            "object": obj,
-            "created": int(time.time()),
-            "model": model,
-        }
-
-    def __call__(self, **rest: object) -> dict:
-        return {**self.fields, **rest}
-
-
-class Echo(NamedTuple):
-    """A prompt as echo repeats it: its text as sent (token ids: decoded), its ids and, if
-    asked, its tokens' logprobs."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None] | None
-
-
-def usage(prompt_token_ids: list[list[int]], num_completion_tokens: int) -> dict:
-    prompt_tokens = sum(map(len, prompt_token_ids))  # each prompt once, whatever n is
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": prompt_tokens + num_completion_tokens,
-    }
-
-
-def merge(deltas: list[Delta], num_choices: int) -> list[Delta]:
-    """One Delta per choice holding all of its output, in index order."""
-    merged = [Delta(i, "", [], None) for i in range(num_choices)]
-    for delta in deltas:
-        whole = merged[delta.index]
-        whole.text += delta.text
-        whole.token_ids += delta.token_ids
-        if delta.logprobs is not None:
-            whole.logprobs = (whole.logprobs or []) + delta.logprobs
-        whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
-    return merged
-
-
-def echoed(delta: Delta, prompt: Echo, keep_completion: bool) -> Delta:
-    """A whole choice with its prompt before it (echo): text, token ids and, if asked,
-    logprobs (the prompt's first entry None); only the prompt if not keep_completion."""
-    if not keep_completion:
-        delta = Delta(delta.index, "", [], None if delta.logprobs is None else [], "length")
-    logprobs = None if delta.logprobs is None else [*prompt.logprobs, *delta.logprobs]
-    return Delta(
-        delta.index,
-        prompt.text + delta.text,
-        [*prompt.token_ids, *delta.token_ids],
-        logprobs,
-        delta.finish_reason,
-        delta.stop_reason,
-    )
-
-
-def completion_choice(
-    delta: Delta, top_k: int | None, text_offset: int = 0, decode: Decode | None = None
-) -> dict:
-    return {
-        "index": delta.index,
-        "text": delta.text,
-        "logprobs": None
-        if top_k is None
-        else completion_logprobs(delta, top_k, text_offset, decode),
-        "finish_reason": delta.finish_reason,
-        "stop_reason": delta.stop_reason,
-    }
-
-
-def chat_choice(delta: Delta, top_k: int | None, streamed: bool) -> dict:
-    message = {"content": delta.text} if streamed else {"role": "assistant", "content": delta.text}
-    return {
-        "index": delta.index,
-        "delta" if streamed else "message": message,
-        "logprobs": None if top_k is None else chat_logprobs(delta, top_k),
-        "finish_reason": delta.finish_reason,
-        "stop_reason": delta.stop_reason,
-    }
-
-
-def completion_logprobs(
-    delta: Delta, top_k: int, text_offset: int = 0, decode: Decode | None = None
-) -> dict:
-    """The legacy completions shape, parallel lists over the tokens: each token's text and
-    logprob, its top_k alternatives and itself (OpenAI's "up to logprobs + 1"), and where its
-    text begins (text_offset: `text_offset` plus the lengths of the tokens before it, as
-    vLLM counts). An echoed prompt's first token has no entry: its logprob and top are None
-    and `decode` gives its text."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token, entry in zip(delta.token_ids, delta.logprobs):
-        if entry is None:
-            text, logprob, top = decode(token), None, None
-        else:
-            chosen = entry[token]
-            text, logprob = chosen.decoded_token, max(chosen.logprob, MIN_LOGPROB)
-            top = {
-                lp.decoded_token: max(lp.logprob, MIN_LOGPROB)
-                for lp in (chosen, *_top(entry, top_k))
-            }
-        tokens.append(text)
-        token_logprobs.append(logprob)
-        top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(delta: Delta, top_k: int) -> dict:
-    """The chat shape: per token, itself and its top_k alternatives."""
-    return {
-        "content": [
-            dict(
-                _token_logprob(entry[token]),
-                top_logprobs=[_token_logprob(lp) for lp in _top(entry, top_k)],
-            )
-            for token, entry in zip(delta.token_ids, delta.logprobs)
-        ]
-    }
-
-
-def _token_logprob(logprob: Logprob) -> dict:
-    token = logprob.decoded_token
-    return {
-        "token": token,
-        "logprob": max(logprob.logprob, MIN_LOGPROB),
-        "bytes": list(token.encode("utf-8")),
-    }
-
-
-def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
-    """The entry's k most likely tokens, most likely first (the chosen one may be extra)."""
-    return sorted(
-        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-        key=lambda lp: lp.rank,
-    )
