@@ -5,7 +5,8 @@ of these after another, chosen at random (seeded), until told to stop:
     dropped stream     a streamed completion of 256 tokens, left after its first chunk
     dropped response   a whole (non-streamed) completion of 256 tokens, left after 0.2 s
     half a body        a request whose body stops halfway, then the connection closes
-    oversized prompt   a 3.9 MB text prompt: under the body limit, far over the context
+    oversized prompt   a 3.9 MB text prompt of 1.3M words: under the body limit, far over
+                       the context
     past the limit     a 12 MB body: its Content-Length alone is over --max-request-bytes
     bad JSON           a body cut off mid-object
     not JSON           the same request as text/plain (what a web page can send anywhere)
@@ -21,7 +22,7 @@ import multiprocessing
 import random
 from collections import Counter
 
-OVERSIZED = json.dumps({"prompt": "x" * 3_900_000}).encode()
+OVERSIZED = json.dumps({"prompt": "go " * 1_300_000}).encode()  # words: each a token or more
 PAST_THE_LIMIT = 12_000_000  # bytes a body declares
 TIMEOUT_S = 60
 
