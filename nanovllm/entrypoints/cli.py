@@ -154,7 +154,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socke
         k: v for k, v in vars(args).items() if k not in ("command", "model", *SERVER_OPTIONS)
     }
     http = guards.HTTPOptions(
-        tuple(args.api_key or guards.api_keys_from_environment()),
+        tuple(key for key in args.api_key or () if key) or guards.api_keys_from_environment(),
         args.max_request_bytes or guards.DEFAULT_MAX_REQUEST_BYTES,
         args.allowed_origins,
         args.allowed_methods,
