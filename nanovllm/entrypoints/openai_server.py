@@ -35,7 +35,7 @@ from nanovllm.entrypoints.guards import HTTPOptions
 from nanovllm.entrypoints.metrics import EngineMetrics
 from nanovllm.entrypoints.protocol import error_body
 from nanovllm.entrypoints.responses import ResponseHead
-from nanovllm.entrypoints.tokenization import Prompt, Tokenization
+from nanovllm.entrypoints.tokenization import Tokenization, TokenizedPrompt
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -49,7 +49,7 @@ class Accepted(NamedTuple):
     stream: RequestStream
     params: SamplingParams
     body: dict
-    prompts: list[Prompt]
+    prompts: list[TokenizedPrompt]
 
 
 def build_app(front: AsyncEngine, model_name: str, options: HTTPOptions | None = None) -> FastAPI:

@@ -14,13 +14,15 @@ NFC does, could in principle fit more characters into a token; vLLM takes the sa
 
 from typing import NamedTuple
 
+from jinja2 import TemplateError
+
 from nanovllm.engine.async_engine import AsyncEngine
 from nanovllm.engine.llm_engine import check_token_ids
 from nanovllm.entrypoints import protocol
 from nanovllm.utils import check_bool
 
 
-class Prompt(NamedTuple):
+class TokenizedPrompt(NamedTuple):
     text: str | None  # as sent or rendered; None for token ids
     token_ids: list[int]
 
@@ -36,7 +38,7 @@ class Tokenization:
 
     # -- prompts of /v1/completions and /v1/chat/completions --------------------------------
 
-    async def completion_prompts(self, body: dict, n: int) -> list[Prompt]:
+    async def completion_prompts(self, body: dict, n: int) -> list[TokenizedPrompt]:
         """Each prompt of a completions request with its token ids (text as vLLM tokenizes it,
         special tokens added)."""
         prompts = protocol.completion_prompts(body.get("prompt"))
@@ -46,7 +48,9 @@ class Tokenization:
             self.check_length(f"prompt {i}" if many else "prompt", prompt)
         return await self.front.offload(self._encode_all, prompts, many)
 
-    async def chat_prompt(self, body: dict, n: int = 1, add_special_tokens: bool = False) -> Prompt:
+    async def chat_prompt(
+        self, body: dict, n: int = 1, add_special_tokens: bool = False
+    ) -> TokenizedPrompt:
         """The conversation as the chat template renders it, and its token ids (the template
         holds the special tokens; add_special_tokens adds the tokenizer's as well)."""
         messages = protocol.chat_messages(body.get("messages"))
@@ -63,9 +67,9 @@ class Tokenization:
         most the engine runs at once) choices per request."""
         if num_prompts * n > self.max_num_seqs:
             raise ValueError(
-                f"prompt: {num_prompts:,} prompt(s) x n={n} are more choices than max_num_seqs="
-                f"{self.max_num_seqs}, the most sequences this server runs at once; send fewer "
-                f"in one request"
+                f"{'n' if num_prompts == 1 else 'prompt'}: {num_prompts:,} prompt(s) x n={n} "
+                f"are more choices than max_num_seqs={self.max_num_seqs}, the most sequences "
+                f"this server runs at once; send fewer in one request"
             )
 
     def check_length(self, name: str, prompt: str | list[int]) -> None:
@@ -87,11 +91,11 @@ class Tokenization:
 
     # -- in the tokenizer thread --------------------------------------------------------------
 
-    def _encode_all(self, prompts: list[str | list[int]], many: bool) -> list[Prompt]:
+    def _encode_all(self, prompts: list[str | list[int]], many: bool) -> list[TokenizedPrompt]:
         return [
-            Prompt(p, self._encode(f"prompt {i}" if many else "prompt", p, True))
+            TokenizedPrompt(p, self._encode(f"prompt {i}" if many else "prompt", p, True))
             if isinstance(p, str)
-            else Prompt(None, self._check_ids(f"prompt {i}" if many else "prompt", p))
+            else TokenizedPrompt(None, self._check_ids(f"prompt {i}" if many else "prompt", p))
             for i, p in enumerate(prompts)
         ]
 
@@ -103,9 +107,7 @@ class Tokenization:
 
     def _render(
         self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool
-    ) -> Prompt:
-        from jinja2 import TemplateError
-
+    ) -> TokenizedPrompt:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -113,7 +115,7 @@ class Tokenization:
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed: {e}") from None
         self.check_length("messages", text)
-        return Prompt(text, self._encode("messages", text, add_special_tokens))
+        return TokenizedPrompt(text, self._encode("messages", text, add_special_tokens))
 
     def _encode(self, name: str, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -145,7 +147,7 @@ class Tokenization:
                 raise TypeError(f"prompt must be a string, got {type(text).__name__}")
             self.check_length("prompt", text)
             ids = await self.front.offload(self._encode, "prompt", text, add_special_tokens)
-            prompt = Prompt(text, ids)
+            prompt = TokenizedPrompt(text, ids)
         strs = None
         if return_token_strs:
             strs = await self.front.offload(self.tokenizer.convert_ids_to_tokens, prompt.token_ids)
