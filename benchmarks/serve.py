@@ -5,6 +5,7 @@ through each.
     python benchmarks/serve.py --preset cpu-small --num-clients 16 --num-requests 64 \
         --vllm-venv ~/vllm-venv
     python benchmarks/serve.py --url http://127.0.0.1:8000/v1 --num-requests 64
+    python benchmarks/serve.py --preset cpu-small --hostile-clients 2
 
 The requests are bench.py's workload (seeded random token-id prompts, prompt and output
 lengths uniform in the preset's ranges); each streams a completion of exactly its output
@@ -15,6 +16,13 @@ chunk with text), inter-token latency (ITL: the gaps between a request's text ch
 and time per output token (TPOT: a request's first-to-last chunk time over its tokens
 less one; unlike ITL it does not shrink when a server sends several tokens in a burst)
 at p50 and p99. A server started here runs in its own process group, killed afterwards.
+
+With --hostile-clients N the normal load runs three times on the same server: alone, beside N
+hostile clients (benchmarks/hostile.py: dropped streams and responses, half bodies, oversized
+prompts, bad bodies), and alone again, each with the workload of its own seed (the same
+prompts again would hit the prefix cache); the table gives the normal requests' figures of
+each run, the hostile run's TTFT p99 over the mean of the two alone, and what the hostile
+clients got back.
 """
 
 import argparse
@@ -35,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.py, ben
 
 import bench  # noqa: E402
 from benchmarks.compare import kill_group  # noqa: E402
+from benchmarks.hostile import HostileMix  # noqa: E402
 from nanovllm.demo import write_weightless_checkpoint  # noqa: E402
 
 NAME = "bench-model"  # the served model name, on both servers
@@ -64,16 +73,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--vllm-venv", help="also run vLLM's server from this venv")
     p.add_argument("--start-timeout", type=float, default=600, help="seconds (default 600)")
+    p.add_argument(
+        "--hostile-clients",
+        type=int,
+        default=0,
+        help="also run the load beside this many hostile clients (default 0: not)",
+    )
     return p.parse_args(argv)
 
 
-def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+def make_requests(args: argparse.Namespace, seed: int | None = None) -> list[tuple[list[int], int]]:
     preset = bench.PRESETS[args.preset]
     lengths = {
         name: preset.workload.get(name, default) for name, default in bench.DEFAULT_WORKLOAD.items()
     }
+    seed = args.seed if seed is None else seed
     workload = bench.make_workload(
-        argparse.Namespace(**dict(lengths, num_seqs=args.num_requests), seed=args.seed),
+        argparse.Namespace(**dict(lengths, num_seqs=args.num_requests), seed=seed),
         preset.config["vocab_size"],
     )
     return list(zip(workload.prompts, workload.output_lens))
@@ -199,8 +215,9 @@ def serve_and_measure(
     args: argparse.Namespace,
     requests: list[tuple[list[int], int]],
     env: dict[str, str],
-) -> dict:
-    """Start a server in its own process group, run the clients, kill the group."""
+) -> dict[str, dict]:
+    """Start a server in its own process group, run the clients (alone, and beside the
+    hostile ones if asked), kill the group. Rows by name."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
             command,
@@ -212,9 +229,10 @@ def serve_and_measure(
         )
         try:
             wait_healthy(port, proc, args.start_timeout, log)
-            return asyncio.run(
-                run_clients(f"http://127.0.0.1:{port}/v1", NAME, requests, args.num_clients)
-            )
+            url = f"http://127.0.0.1:{port}/v1"
+            if not args.hostile_clients:
+                return {"": asyncio.run(run_clients(url, NAME, requests, args.num_clients))}
+            return measure_beside_hostile_clients(url, port, args)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -223,6 +241,24 @@ def serve_and_measure(
                 except subprocess.TimeoutExpired:
                     pass
             kill_group(proc.pid)
+
+
+def measure_beside_hostile_clients(url: str, port: int, args: argparse.Namespace) -> dict:
+    """Alone, beside the hostile clients, alone again: each with a workload of its own."""
+    rows, beside = {}, f"+ {args.hostile_clients} hostile"
+    for run, (name, hostile) in enumerate(
+        (("alone", False), (beside, True), ("alone again", False))
+    ):
+        requests = make_requests(args, args.seed + run)
+        if not hostile:
+            rows[name] = asyncio.run(run_clients(url, NAME, requests, args.num_clients))
+            continue
+        with HostileMix("127.0.0.1", port, NAME, args.hostile_clients) as mix:
+            rows[name] = asyncio.run(run_clients(url, NAME, requests, args.num_clients))
+        rows[name]["hostile"] = mix.counts
+    alone_p99 = (rows["alone"]["ttft_ms"][1] + rows["alone again"]["ttft_ms"][1]) / 2
+    rows[beside]["ttft_p99_ratio"] = rows[beside]["ttft_ms"][1] / alone_p99
+    return rows
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float, log) -> None:
@@ -262,6 +298,14 @@ def print_table(rows: dict[str, dict], args: argparse.Namespace) -> None:
             f"{r['itl_ms'][0]:.1f} / {r['itl_ms'][1]:.1f} | "
             f"{r['tpot_ms'][0]:.1f} / {r['tpot_ms'][1]:.1f} |"
         )
+    for name, r in rows.items():
+        if "hostile" in r:
+            print(
+                f"\n{name}: TTFT p99 {r['ttft_p99_ratio']:.2f}x that of the runs alone; "
+                f"the hostile clients sent {sum(r['hostile'].values())} requests:"
+            )
+            for outcome, count in sorted(r["hostile"].items()):
+                print(f"  {outcome}: {count}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -276,18 +320,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix=f"serve-{args.preset}-") as model:
         write_weightless_checkpoint(model, bench.PRESETS[args.preset].config)
         port = free_port()
-        rows["nanovllm"] = serve_and_measure(
-            nanovllm_command(model, port, args), port, args, requests, {}
-        )
+        measured = serve_and_measure(nanovllm_command(model, port, args), port, args, requests, {})
+        rows.update({f"nanovllm {run}".strip(): row for run, row in measured.items()})
         if args.vllm_venv:
             port = free_port()
-            rows["vllm"] = serve_and_measure(
+            measured = serve_and_measure(
                 vllm_command(model, port, args),
                 port,
                 args,
                 requests,
                 {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"},
             )
+            rows.update({f"vllm {run}".strip(): row for run, row in measured.items()})
     print_table(rows, args)
 
 

@@ -2,6 +2,7 @@
 type, ValueError for a wrong value). Values found at run time (the number of KV-cache
 blocks) are returned by the parts that find them, never written back here."""
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -16,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULING_POLICIES = ("mixed", "prefill_first")
 QUANTIZATIONS = ("int8",)
+AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Config:
     quantization: str | None = None  # "int8": weights quantized at load (layers/quantization.py)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,12 +54,7 @@ class Config:
                 f"model must be a directory holding config.json; "
                 f"{self.model!r} is not (no model is downloaded)"
             )
-        for name in (
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "max_model_len",
-            "kvcache_block_size",
-        ):
+        for name in AT_LEAST_ONE:
             check_int(name, getattr(self, name), minimum=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
         check_int("data_parallel_size", self.data_parallel_size, minimum=1)
@@ -67,14 +65,9 @@ class Config:
             "gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, "in (0, 1]", low_open=True
         )
         check_number(
-            "cpu_kvcache_space_gib",
-            self.cpu_kvcache_space_gib,
-            0,
-            float("inf"),
-            "> 0",
-            low_open=True,
-            high_open=True,
+            "cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, 0, math.inf, "> 0", low_open=True
         )
+        check_int("max_logprobs", self.max_logprobs, minimum=0)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if check_bool("async_scheduling", self.async_scheduling) and self.tensor_parallel_size > 1:

@@ -1,6 +1,7 @@
-"""What generation returns, in vLLM's shapes; a RequestOutput also answers nano-vLLM's
-out["text"], out["token_ids"] and out["finish_reason"]: those of its first completion."""
+"""What generation returns, in vLLM's shapes; a RequestOutput is also nano-vLLM's dict, a Mapping
+of "text" and "token_ids" (and it answers out["finish_reason"]): those of its first completion."""
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -29,7 +30,7 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(Mapping):
     request_id: str
     prompt: str | None  # None for a token-id prompt
     prompt_token_ids: list[int]
@@ -42,3 +43,9 @@ class RequestOutput:
         if key not in ("text", "token_ids", "finish_reason"):
             raise KeyError(key)
         return getattr(self.outputs[0], key)
+
+    def __iter__(self) -> Iterator[str]:  # dict(out) is nano-vLLM's dict
+        return iter(("text", "token_ids"))
+
+    def __len__(self) -> int:
+        return 2

@@ -137,3 +137,16 @@ def families(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     tokenizer = build_tokenizer_once(root / "tokenizer")
     return {name: build_family_checkpoint(root / name, name, tokenizer) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def server(bos_checkpoint):
+    """One server for the server tests (tests/serving.py has the helpers), on the BOS
+    checkpoint: completions add the BOS to text (as LLM.generate does) and chat's template is
+    rendered without it (as LLM.chat does), so the two tokenize differently. Its body limit is
+    16 MiB, so that a 12 MB prompt reaches the prompt-length check."""
+    from serving import ENGINE, NAME, engine_flags, running_server
+
+    flags = ["--served-model-name", NAME, "--max-request-bytes", str(16 * 2**20)]
+    with running_server(bos_checkpoint, *flags, *engine_flags(**ENGINE)) as running:
+        yield running

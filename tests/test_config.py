@@ -91,7 +91,9 @@ def test_missing_model_directory_is_a_value_error(tmp_path):
         ("attention_backend", "xformers"),
         ("load_format", "pt"),
         ("cpu_kvcache_space_gib", 0),
+        ("cpu_kvcache_space_gib", float("inf")),
         ("scheduling_policy", "fifo"),
+        ("max_logprobs", -1),
     ],
 )
 def test_bad_values_name_their_field(config_dir, field, value):
@@ -108,6 +110,7 @@ def test_bad_values_name_their_field(config_dir, field, value):
         ("gpu_memory_utilization", "0.5"),
         ("device", None),
         ("tensor_parallel_size", True),
+        ("max_logprobs", 2.0),
     ],
 )
 def test_wrong_types_are_type_errors_naming_their_field(config_dir, field, value):

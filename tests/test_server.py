@@ -6,100 +6,30 @@ is stopped here; every wait is bounded."""
 import asyncio
 import http.client
 import json
-import os
-import re
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
-from pathlib import Path
 
 import openai
 import pytest
+import torch
+from conftest import hf_model
+from serving import (
+    ENGINE,
+    NAME,
+    engine_flags,
+    live_processes,
+    metrics,
+    running_server,
+    wait_until_idle,
+)
 
 from nanovllm import LLM, SamplingParams
 
-NAME = "tiny"  # --served-model-name
-ENGINE = dict(device="cpu", max_model_len=512, num_kvcache_blocks=96, kvcache_block_size=16)
-START_TIMEOUT_S = 90
 USER = [{"role": "user", "content": "def main():"}]
-
-
-def engine_flags(**engine: object) -> list[str]:
-    return [x for k, v in engine.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-
-
-@contextmanager
-def running_server(model: Path, *flags: str):
-    """A server process in a session of its own (so nothing of it can outlive the test):
-    yields (process, port); SIGTERM at the end, SIGKILL to the group if that fails."""
-    log = tempfile.NamedTemporaryFile("w+", prefix="nanovllm-serve-", suffix=".log")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nanovllm", "serve", str(model), "--port", "0", *flags],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        yield proc, wait_for_port(proc, Path(log.name))
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(proc.pid)
-        log.close()
-
-
-def wait_for_port(proc: subprocess.Popen, log: Path) -> int:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", log.read_text())
-        if found:
-            return int(found.group(1))
-        assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()}"
-        time.sleep(0.1)
-    raise AssertionError(f"no server after {START_TIMEOUT_S}s:\n{log.read_text()}")
-
-
-def live_processes(pgid: int) -> list[str]:
-    """The processes of a process group that have not exited (zombies are left out: who
-    reaps an orphan, and when, is up to this machine's init). Linux's /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # gone meanwhile
-            continue
-        state, _, group = text.rsplit(")", 1)[1].split()[:3]
-        if int(group) == pgid and state != "Z":
-            found.append(text)
-    return found
-
-
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-@pytest.fixture(scope="module")
-def server(bos_checkpoint):
-    """One server for the module. The checkpoint's tokenizer adds a BOS to text, so
-    completions (which add it, as LLM.generate does) and chat (whose template is rendered
-    without it, as LLM.chat does) tokenize differently."""
-    with running_server(bos_checkpoint, "--served-model-name", NAME, *engine_flags(**ENGINE)) as (
-        proc,
-        port,
-    ):
-        yield port
 
 
 @pytest.fixture(scope="module")
@@ -111,29 +41,13 @@ def offline(bos_checkpoint):
 @pytest.fixture
 def client(server):
     with openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server}/v1", api_key="unused", timeout=60, max_retries=0
+        base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0
     ) as client:
         yield client
 
 
 def greedy(max_tokens: int, **params) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
-
-
-def metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(nanovllm:\w+)\{[^}]*\} (\S+)$", text, re.M)}
-
-
-def wait_until_idle(port: int, timeout_s: float = 10) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        figures = metrics(port)
-        if figures["nanovllm:num_requests_running"] == 0:
-            return figures
-        time.sleep(0.05)
-    raise AssertionError(f"still running after {timeout_s}s: {figures}")
 
 
 # -- results equal the offline engine's ---------------------------------------------------
@@ -230,7 +144,7 @@ def test_sixteen_concurrent_clients_each_get_their_offline_result(server, offlin
 
     async def all_of_them() -> list[str]:
         async with openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{server}/v1", api_key="unused", timeout=120, max_retries=0
+            base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0
         ) as client:
             return await asyncio.gather(
                 *(one(client, p, n, i % 2 == 0) for i, (p, n) in enumerate(zip(prompts, lengths)))
@@ -261,7 +175,12 @@ def test_n_seeded_samples_and_logprobs_are_the_offline_ones(client, offline):
         chosen = [entry[t] for t, entry in zip(output.token_ids, output.logprobs)]
         assert choice.logprobs.tokens == [lp.decoded_token for lp in chosen]
         assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in chosen])
-        assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * 6
+        for top, entry, token in zip(
+            choice.logprobs.top_logprobs, output.logprobs, output.token_ids
+        ):
+            # OpenAI's "up to logprobs + 1": the top 2 and the sampled token
+            expected_top = [lp for lp in entry.values() if lp.rank <= 2] + [entry[token]]
+            assert top == {lp.decoded_token: pytest.approx(lp.logprob) for lp in expected_top}
 
 
 def test_chat_logprobs_give_each_token_and_its_top_alternatives(client, offline):
@@ -339,30 +258,155 @@ def test_logit_bias_steers_greedy_tokens_as_offline(client, offline):
     assert first not in expected.token_ids[:1]
 
 
+# -- what evaluation harnesses send: echo with logprobs, /tokenize and /detokenize ---------------
+
+
+def hf_logprob_rows(path, token_ids: list[int]) -> torch.Tensor:
+    """[len, vocab]: row i is transformers' log_softmax for the token after position i."""
+    with torch.inference_mode():
+        logits = hf_model(str(path))(torch.tensor([token_ids])).logits[0]
+    return logits.float().log_softmax(-1)
+
+
+def test_lm_eval_loglikelihood_requests_score_as_transformers(client, offline, bos_checkpoint):
+    """lm-eval 0.4.13's local-completions, loglikelihood and loglikelihood_rolling alike: a
+    batch of token-id windows, temperature 0, max_tokens 1, logprobs 1, seed 1234, echo; it
+    reads token_logprobs[ctxlen:-1] (summed) and, for is_greedy, top_logprobs[ctxlen:-1]."""
+    tokenizer = offline.tokenizer
+    context = tokenizer.encode("def parse(text):")  # with the BOS, as lm-eval's prefix token
+    greedy_ids = offline.generate([context], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    windows = [
+        context + tokenizer.encode(" return x", add_special_tokens=False),
+        context + greedy_ids,
+    ]
+    got = client.completions.create(
+        model=NAME, prompt=windows, temperature=0, max_tokens=1, logprobs=1, seed=1234, echo=True
+    )
+    assert got.usage.prompt_tokens == sum(map(len, windows)) and got.usage.completion_tokens == 2
+    for choice, window in zip(sorted(got.choices, key=lambda c: c.index), windows):
+        rows = hf_logprob_rows(bos_checkpoint, window)
+        lp, ctxlen = choice.logprobs, len(context)
+        assert len(lp.token_logprobs) == len(window) + 1  # the prompt, then the completion
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [rows[i - 1, t].item() for i, t in enumerate(window) if i > 0]
+        assert lp.token_logprobs[1 : len(window)] == pytest.approx(expected, abs=1e-4)
+        # lm-eval's answer: the continuation's logprob and whether it is the greedy one
+        assert sum(lp.token_logprobs[ctxlen:-1]) == pytest.approx(
+            sum(expected[ctxlen - 1 :]), abs=1e-3
+        )
+        is_greedy = all(
+            tok == max(top.values())
+            for tok, top in zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1])
+        )
+        hf_greedy = all(rows[i - 1].argmax() == window[i] for i in range(ctxlen, len(window)))
+        assert is_greedy == hf_greedy
+        # the echoed text, its tokens and where each begins
+        prompt_text = tokenizer.decode(window)
+        assert choice.text.startswith(prompt_text) and len(choice.text) > len(prompt_text)
+        assert lp.tokens[: len(window)] == [tokenizer.decode([t]) for t in window]
+        assert "".join(lp.tokens[: len(window)]) == prompt_text
+        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(window) + 1)]
+        assert lp.text_offset[len(window)] == len(prompt_text)  # the completion follows
+    assert is_greedy  # the last window continues greedily: lm-eval must see it so
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, offline, bos_checkpoint):
+    """The text-prompt form (lm-eval's tokenized_requests=False; older harnesses send
+    max_tokens 0): the prompt's text as sent, its tokens' logprobs, no completion."""
+    prompt = "def parse(text):"
+    ids = offline.tokenizer.encode(prompt)  # the BOS first
+    got = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=0, logprobs=0, echo=True, temperature=0
+    )
+    choice = got.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 0
+    rows = hf_logprob_rows(bos_checkpoint, ids)
+    expected = [rows[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert choice.logprobs.tokens == [offline.tokenizer.decode([t]) for t in ids]
+    plain = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=5, temperature=0, echo=True
+    )
+    expected = offline.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )
+    assert plain.choices[0].text == prompt + expected[0].outputs[0].text
+    assert plain.choices[0].logprobs is None
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_tokenize_and_detokenize_answer_as_vllms(server, offline):
+    tokenizer = offline.tokenizer
+    text = "def parse(text):"
+    ids = tokenizer.encode(text)
+    assert post(server, "/tokenize", {"prompt": text}) == (
+        200,
+        {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None},
+    )
+    status, got = post(
+        server,
+        "/tokenize",
+        {"prompt": text, "add_special_tokens": False, "return_token_strs": True},
+    )
+    assert got["tokens"] == ids[1:] == tokenizer.encode(text, add_special_tokens=False)
+    assert got["token_strs"] == tokenizer.convert_ids_to_tokens(ids[1:])
+    chat = offline.chat(USER, greedy(1), use_tqdm=False)[0]
+    status, got = post(server, "/tokenize", {"model": NAME, "messages": USER})
+    assert got["tokens"] == chat.prompt_token_ids  # the template's, no second BOS
+    assert post(server, "/detokenize", {"tokens": ids}) == (200, {"prompt": tokenizer.decode(ids)})
+    status, got = post(server, "/detokenize", {"tokens": [1, 10**6]})
+    assert status == 400 and got["error"]["param"] == "tokens"
+    assert post(server, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 
 def test_bad_requests_get_400_with_an_error_body_and_the_server_keeps_serving(client, server):
-    cases = [
-        (dict(prompt="x", temperature=-1), "temperature"),
-        (dict(prompt="x", max_tokens="ten"), "max_tokens"),
-        (dict(prompt="word " * 600), "prompt"),  # longer than max_model_len=512
-        (dict(prompt=[[1, 2], "x", 3]), "prompt"),
-        (dict(prompt=["x", [1, 10**6]]), "prompt"),  # "prompt 1: token id ... outside"
-        (dict(prompt="x", echo=True), "echo"),
-        (dict(prompt="x", logit_bias={"5": 101}), "logit_bias"),
-        (dict(prompt="x", logit_bias={"five": 1}), "logit_bias"),
-        (dict(prompt="x", logit_bias={str(10**6): 1}), "logit_bias"),  # past the vocab
-        (dict(prompt="x", extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),
+    cases = [  # (request, the field named, words of the message)
+        (dict(prompt="x", temperature=-1), "temperature", ""),
+        (dict(prompt="x", max_tokens="ten"), "max_tokens", ""),
+        (dict(prompt="word " * 600), "prompt", "max_model_len=512"),  # 601 tokens
+        (dict(prompt=[[1, 2], "x", 3]), "prompt", "holds a int"),
+        (dict(prompt=[1, 2.5]), "prompt", "token ids must be ints, got float (2.5)"),
+        (dict(prompt=["x", [1, 10**6]]), "prompt", "prompt 1: token id 1000000 is outside"),
+        (dict(prompt=["x"] * 513), "prompt", "max_num_seqs=512"),
+        (dict(prompt="x", echo=True, stream=True), "echo", "without stream"),
+        (dict(prompt="x", logit_bias={"5": 101}), "logit_bias", ""),
+        (dict(prompt="x", logit_bias={"five": 1}), "logit_bias", ""),
+        (dict(prompt="x", logit_bias={str(10**6): 1}), "logit_bias", ""),  # past the vocab
+        (dict(prompt="x", extra_body={"stop_token_ids": [10**6]}), "stop_token_ids", ""),
+        (dict(prompt="x", logprobs=21), "logprobs", "max_logprobs=20"),  # vLLM's default cap
+        (dict(prompt="x", max_tokens=2**40), "max_tokens", "max_model_len=512"),
+        (dict(prompt="x", max_tokens=10**9), "max_tokens", "max_model_len=512"),
     ]
-    for kwargs, param in cases:
+    for kwargs, param, words in cases:
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=NAME, **kwargs)
         error = caught.value.body
-        assert error["type"] == "invalid_request_error" and error["message"]
+        assert error["type"] == "invalid_request_error" and words in error["message"]
         assert error["param"] == param, error
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=NAME, messages=[{"content": "no role"}])
+    for kwargs, param, words in [
+        (dict(messages=[{"content": "no role"}]), "messages", "role"),
+        (dict(messages=USER, max_completion_tokens="5"), "max_completion_tokens", "an int"),
+        (dict(messages=USER, max_completion_tokens=2**70), "max_completion_tokens", "=512"),
+        (dict(messages=USER, logprobs=True, top_logprobs=21), "top_logprobs", ""),
+        (dict(messages=USER, extra_body={"echo": True}), "echo", "/v1/completions"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=NAME, **kwargs)
+        assert caught.value.body["param"] == param and words in caught.value.body["message"]
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="another-model", prompt="x")
     assert caught.value.body["code"] == "model_not_found"
@@ -375,9 +419,10 @@ def test_bad_json_and_unknown_paths_get_openai_error_bodies(server):
     for method, path, body, status in (
         ("POST", "/v1/completions", b'{"prompt": ', 400),
         ("POST", "/v1/chat/completions", b"[1, 2]", 400),
+        ("POST", "/v1/completions", b'{"prompt": "ab\\ud800c"}', 400),  # a lone surrogate
         ("GET", "/v1/nowhere", None, 404),
     ):
-        connection = http.client.HTTPConnection("127.0.0.1", server, timeout=10)
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         connection.request(method, path, body, {"Content-Type": "application/json"})
         response = connection.getresponse()
         assert response.status == status
@@ -390,13 +435,13 @@ def test_bad_json_and_unknown_paths_get_openai_error_bodies(server):
 
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [NAME]
-    with urllib.request.urlopen(f"http://127.0.0.1:{server}/health", timeout=10) as response:
+    with urllib.request.urlopen(f"{server.url}/health", timeout=10) as response:
         assert response.status == 200
-    before = wait_until_idle(server)
+    before = wait_until_idle(server.port)
     got = client.completions.create(
         model=NAME, prompt="for i in", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
     )
-    after = wait_until_idle(server)
+    after = wait_until_idle(server.port)
     assert (
         after["nanovllm:prompt_tokens_total"] - before["nanovllm:prompt_tokens_total"]
         == got.usage.prompt_tokens
@@ -410,15 +455,15 @@ def test_models_health_and_metrics(client, server):
 
 
 def test_a_client_that_drops_its_stream_has_its_request_aborted(client, server):
-    before = wait_until_idle(server)
+    before = wait_until_idle(server.port)
     stream = client.completions.create(
         model=NAME, prompt="x", max_tokens=480, stream=True, extra_body={"ignore_eos": True}
     )
     for _ in zip(range(3), stream):
         pass
-    assert metrics(server)["nanovllm:num_requests_running"] == 1
+    assert metrics(server.port)["nanovllm:num_requests_running"] == 1
     stream.close()
-    after = wait_until_idle(server)
+    after = wait_until_idle(server.port)
     generated = (
         after["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"]
     )
@@ -426,9 +471,11 @@ def test_a_client_that_drops_its_stream_has_its_request_aborted(client, server):
     assert after["nanovllm:kv_cache_usage_perc"] == 0  # its blocks are free
 
 
-def test_a_client_that_leaves_a_whole_response_has_its_request_aborted(server):
-    before = wait_until_idle(server)
-    connection = http.client.HTTPConnection("127.0.0.1", server, timeout=10)
+def test_a_client_that_leaves_a_whole_response_has_its_request_aborted_quietly(server):
+    """Aborted, with one INFO line in the server's log and no traceback; a client that
+    leaves halfway through its request's body gets the same."""
+    before, log_start = wait_until_idle(server.port), server.log_size()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     connection.request(
         "POST",
         "/v1/completions",
@@ -436,19 +483,47 @@ def test_a_client_that_leaves_a_whole_response_has_its_request_aborted(server):
         {"Content-Type": "application/json"},
     )
     deadline = time.monotonic() + 10
-    while metrics(server)["nanovllm:num_requests_running"] == 0 and time.monotonic() < deadline:
+    while (
+        metrics(server.port)["nanovllm:num_requests_running"] == 0 and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     connection.close()
     generated = (
-        wait_until_idle(server)["nanovllm:generation_tokens_total"]
+        wait_until_idle(server.port)["nanovllm:generation_tokens_total"]
         - before["nanovllm:generation_tokens_total"]
     )
     assert 0 < generated < 480
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as half:
+        half.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )
+        time.sleep(0.2)
+    lines = wait_for_log_lines(server, log_start, 2)
+    assert not any("Traceback" in line or "ERROR" in line for line in lines), lines
+    assert lines == [
+        "INFO:     /v1/completions: the client went away; its request was aborted",
+        "INFO:     /v1/completions: the client went away while sending its request",
+    ]
+
+
+def wait_for_log_lines(server, start: int, count: int, timeout_s: float = 10) -> list[str]:
+    """The server's log lines from `start`, but the access lines of /metrics (which the test
+    polls), once there are `count` (or the timeout has passed)."""
+
+    def lines() -> list[str]:
+        return [line for line in server.log_since(start).splitlines() if "/metrics" not in line]
+
+    deadline = time.monotonic() + timeout_s
+    while len(lines()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # a line too many would show now
+    return lines()
 
 
 def test_sigterm_ends_open_streams_and_exits_0_leaving_no_process(checkpoints):
     flags = engine_flags(**ENGINE, tensor_parallel_size=2)  # a TP worker must be stopped too
-    with running_server(checkpoints["gqa"], *flags) as (proc, port):
+    with running_server(checkpoints["gqa"], *flags) as (proc, port, _):
         with openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30, max_retries=0
         ) as client:

@@ -65,6 +65,31 @@ def test_outputs_speak_vllm_and_nano_vllm(llm):
         out["outputs"]
 
 
+def test_a_request_output_is_nano_vllms_dict(llm):
+    """nano-vLLM's generate returned {"text": decode(completion ids), "token_ids": ids}."""
+    out = llm.generate(["def main():"], GREEDY, use_tqdm=False)[0]
+    ids = out.outputs[0].token_ids
+    nano_vllm = {"text": llm.tokenizer.decode(ids), "token_ids": ids}
+    assert dict(out) == nano_vllm
+    assert list(out.keys()) == ["text", "token_ids"] and len(out) == 2
+    assert list(out.items()) == list(nano_vllm.items()) and list(out.values()) == [out["text"], ids]
+    assert "text" in out and "outputs" not in out
+    assert out.get("text") == nano_vllm["text"] and out.get("missing", 7) == 7
+    assert {**out} == nano_vllm  # what dict-style scripts do with it
+
+
+def test_logprobs_beyond_max_logprobs_are_refused(llm, bos_checkpoint):
+    for params in (SamplingParams(logprobs=21), SamplingParams(prompt_logprobs=21)):
+        with pytest.raises(ValueError, match="max_logprobs=20"):
+            llm.generate(["x"], params, use_tqdm=False)
+    with LLM(str(bos_checkpoint), num_kvcache_blocks=8, max_model_len=64, max_logprobs=2) as two:
+        with pytest.raises(ValueError, match="max_logprobs=2"):
+            two.generate(["x"], SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)
+        out = two.generate(["x"], SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0]
+        assert [len(entry) >= 2 for entry in out.outputs[0].logprobs] == [True, True]
+    assert llm.generate(["x"], GREEDY, use_tqdm=False)  # the engine stays usable
+
+
 def test_chat_is_generate_on_the_rendered_template_without_a_second_bos(llm):
     rendered = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"  # the demo template
     ids = llm.tokenizer.encode(rendered, add_special_tokens=False)

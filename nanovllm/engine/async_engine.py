@@ -2,12 +2,16 @@
 loop; the event loop reaches it only through a command queue (add, abort) that the
 thread applies between steps, and gets back each request's new text and tokens per step.
 
+    event loop ── offload ──> tokenizer thread: templates, tokenize, make_request (checks)
     event loop ── add / abort ──> commands ──> loop thread: apply them, step(), detokenize
     event loop <── one batch of Deltas per step (call_soon_threadsafe) ───────┘
 
-The engine is not thread-safe, so nothing else calls it: the tokenizer runs in the loop
-thread too. A consumer that stops listening aborts its request, which frees its blocks
-before the next step.
+The engine is not thread-safe, so the loop thread alone steps it; what costs time in
+proportion to a request's size (a chat template, tokenizing, checking token ids) runs in
+the tokenizer thread, so a huge prompt delays neither the steps nor the event loop. One
+tokenizer thread, as vLLM's: a fast tokenizer's settings are not safe to share between
+threads. A consumer that stops listening aborts its request, which frees its blocks before
+the next step.
 """
 
 import asyncio
@@ -15,16 +19,20 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine import EngineStats, LLMEngine, NewToken
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.outputs import CompletionOutput, Logprob
+from nanovllm.engine.llm_engine import EngineRequest
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -80,17 +88,15 @@ class RequestStream:
     Deltas arrive on, and (loop thread) the state of each choice."""
 
     def __init__(
-        self,
-        prompts: list[str | list[int]],
-        params: SamplingParams,
-        add_special_tokens: bool,
-        loop: asyncio.AbstractEventLoop,
+        self, requests: list[EngineRequest], params: SamplingParams, loop: asyncio.AbstractEventLoop
     ):
-        self.prompts, self.params, self.add_special_tokens = prompts, params, add_special_tokens
-        self.num_choices = len(prompts) * params.n
+        self.requests, self.params = requests, params
+        self.num_choices = len(requests) * params.n
         self.added = loop.create_future()  # done once the engine took (or refused) it
         self.queue: asyncio.Queue[list[Delta] | BaseException] = asyncio.Queue()
-        self.prompt_token_ids: list[list[int]] = []  # per prompt, as the engine got them
+        self.prompt_token_ids = [r.prompt_token_ids for r in requests]  # per prompt
+        # Per prompt, if params.prompt_logprobs: set (loop thread) before its last Delta is sent.
+        self.prompt_logprobs: list[list[dict[int, Logprob] | None] | None] = [None] * len(requests)
         self.request_ids: list[int] = []
         self.choices: list[ChoiceStream] = []  # the loop thread's
         self.num_finished = 0  # the consumer's count of choices whose last Delta came
@@ -102,7 +108,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.tokenizer = engine.tokenizer  # the event loop may only render chat templates
+        self.tokenizer = engine.tokenizer  # for offload()ed work only
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
         self.stats: EngineStats = engine.stats()  # as of the last step, for /metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for /metrics
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -110,6 +117,7 @@ class AsyncEngine:
             int, tuple[RequestStream, int]
         ] = {}  # engine id -> (stream, first choice)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False  # abort_all() came: what is added now is aborted
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
 
     def start(self) -> None:
@@ -124,19 +132,22 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(None)
             self._thread.join()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     # -- the event loop's side --------------------------------------------------------
 
-    async def add_request(
-        self,
-        prompts: list[str | list[int]],
-        params: SamplingParams,
-        add_special_tokens: bool = True,
-    ) -> RequestStream:
-        """Queue the prompts (text is tokenized in the loop thread); raises the engine's
-        TypeError / ValueError if one is refused, in which case none is queued."""
-        stream = RequestStream(prompts, params, add_special_tokens, self._loop)
+    async def offload(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) in the tokenizer thread: work on a request's text or tokens, whose time
+        grows with its size."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    async def add_request(self, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
+        """Check the prompts (in the tokenizer thread: the engine's make_request) and queue
+        them; raises the engine's TypeError / ValueError if one is refused, in which case none
+        is queued."""
+        requests = await self.offload(self._make_requests, prompts, params)
+        stream = RequestStream(requests, params, self._loop)
         self._commands.put(lambda: self._add(stream))
         try:
             await stream.added
@@ -164,9 +175,20 @@ class AsyncEngine:
             self._commands.put(lambda: self._abort(stream, notify=False))
 
     def abort_all(self) -> None:
-        """Abort every request in flight; their streams end with finish_reason "abort".
-        Safe in a signal handler (it only schedules a callback on the event loop)."""
+        """Abort every request in flight, and those added from now on (the server is
+        stopping); their streams end with finish_reason "abort". Safe in a signal handler
+        (it only schedules a callback on the event loop)."""
         self._loop.call_soon_threadsafe(self._commands.put, self._abort_all)
+
+    def _make_requests(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[EngineRequest]:
+        """The engine's checks of each prompt (make_request reads only what never changes);
+        an error names the prompt, if there are several."""
+        return [
+            self.engine.make_request(prompt, params, i if len(prompts) > 1 else None)
+            for i, prompt in enumerate(prompts)
+        ]
 
     # -- the loop thread's side -------------------------------------------------------
 
@@ -191,20 +213,11 @@ class AsyncEngine:
 
     def _add(self, stream: RequestStream) -> None:
         try:
-            for prompt in stream.prompts:
-                token_ids = (
-                    self.tokenizer.encode(prompt, add_special_tokens=stream.add_special_tokens)
-                    if isinstance(prompt, str)
-                    else prompt
-                )
-                stream.request_ids.append(self.engine.add_request(token_ids, stream.params))
-                stream.prompt_token_ids.append(token_ids)
-        except Exception as e:  # e.g. a prompt too long: refuse the whole request
+            for request in stream.requests:
+                stream.request_ids.append(self.engine.add_request(request))
+        except Exception as e:  # checked already: e.g. the engine was closed meanwhile
             for request_id in stream.request_ids:
                 self.engine.abort_request(request_id)
-            if len(stream.prompts) > 1 and isinstance(e, (TypeError, ValueError)):
-                kind = TypeError if isinstance(e, TypeError) else ValueError
-                e = kind(f"prompt {len(stream.request_ids)}: {e}")  # which prompt of the list
             self._reply(stream.added, e)
             return
         for i, request_id in enumerate(stream.request_ids):
@@ -214,6 +227,8 @@ class AsyncEngine:
         ]
         self.num_prompt_tokens += sum(map(len, stream.prompt_token_ids))
         self._reply(stream.added, None)
+        if self._stopping:  # it was being checked when abort_all() came
+            self._abort(stream, notify=True)
 
     def _abort(self, stream: RequestStream, notify: bool) -> None:
         for request_id in stream.request_ids:
@@ -231,6 +246,7 @@ class AsyncEngine:
             )
 
     def _abort_all(self) -> None:
+        self._stopping = True
         for stream in {stream for stream, _ in self._streams.values()}:
             self._abort(stream, notify=True)
 
@@ -243,7 +259,15 @@ class AsyncEngine:
             self._streams.clear()
             return
         self.num_generation_tokens += len(out.new_tokens)
+        self._keep_prompt_logprobs(out.finished_requests)
         self._post(self._batches(out.new_tokens, out.finished))
+
+    def _keep_prompt_logprobs(self, finished: list[RequestOutput]) -> None:
+        """Hand each finished request's prompt logprobs (if asked) to its stream."""
+        for output in finished:
+            if output.prompt_logprobs is not None and int(output.request_id) in self._streams:
+                stream, first = self._streams[int(output.request_id)]
+                stream.prompt_logprobs[first // stream.params.n] = output.prompt_logprobs
 
     def _batches(
         self, new_tokens: list[NewToken], finished: list[CompletionOutput]

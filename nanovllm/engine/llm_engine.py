@@ -125,6 +125,8 @@ class LLMEngine:
             vocab_size = self.config.hf_config.vocab_size
             token_ids = check_token_ids(token_ids, vocab_size)
             check_ids_in_vocabulary(params, vocab_size)  # bad ids would fail in the sampler
+            if max(params.logprobs or 0, params.prompt_logprobs or 0) > self.config.max_logprobs:
+                raise ValueError(f"logprobs may be at most max_logprobs={self.config.max_logprobs}")
             self.scheduler.check_fits(len(token_ids), params.max_tokens)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None

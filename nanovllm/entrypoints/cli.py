@@ -3,14 +3,19 @@
     nanovllm serve ~/huggingface/Qwen3-0.6B/ --port 8000 --max-model-len 4096
 
 Every Config field is an option, spelled in kebab case (`--max-num-seqs 64`,
-`--enforce-eager` / `--no-enforce-eager`); Config checks the values. Once the model is
-loaded the server prints `nanovllm: serving MODEL on http://HOST:PORT` (the port the OS
-chose for `--port 0`). SIGINT / SIGTERM stop it: no new connections, every request in
-flight aborted (streams end with finish_reason "abort"), the engine and its TP workers
+`--enforce-eager` / `--no-enforce-eager`); Config checks the values. The HTTP options
+(`--api-key`, `--max-request-bytes`, vLLM's CORS flags) are guards.py's. The port is taken
+first: one in use is one line on stderr and exit status 2, before the model loads. Once the
+model is loaded the server prints `nanovllm: serving MODEL on http://HOST:PORT` (the port
+the OS chose for `--port 0`). SIGINT / SIGTERM stop it: no new connections, every request
+in flight aborted (streams end with finish_reason "abort"), the engine and its TP workers
 closed, exit status 0.
 """
 
 import argparse
+import json
+import logging
+import os
 import signal
 import socket
 import sys
@@ -19,7 +24,17 @@ from dataclasses import MISSING, fields
 
 from nanovllm.config import Config
 
-SERVER_OPTIONS = ("host", "port", "served_model_name")
+SERVER_OPTIONS = (
+    "host",
+    "port",
+    "served_model_name",
+    "api_key",
+    "max_request_bytes",
+    "allowed_origins",
+    "allowed_methods",
+    "allowed_headers",
+    "allow_credentials",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,8 +53,48 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", help="the name requests give as `model` (default: MODEL as given)"
     )
+    add_http_options(serve)
     add_config_options(serve)
     return parser
+
+
+def add_http_options(parser: argparse.ArgumentParser) -> None:
+    """vLLM's names and JSON-list values for its CORS flags."""
+    group = parser.add_argument_group("HTTP options")
+    group.add_argument(
+        "--api-key",
+        nargs="+",
+        help="require `Authorization: Bearer KEY` (one of these keys) on /v1 and the tokenizer's "
+        "routes; default: $NANOVLLM_API_KEY, else $VLLM_API_KEY, else none",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="larger request bodies get 413; default: 4 MiB (guards.py says why)",
+    )
+    for flag, default in (
+        ("--allowed-origins", "[]"),
+        ("--allowed-methods", '["*"]'),
+        ("--allowed-headers", '["*"]'),
+    ):
+        group.add_argument(
+            flag,
+            type=json_strings,
+            default=json_strings(default),
+            metavar="JSON",
+            help=f"CORS, a JSON list of strings; default: {default}",
+        )
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def json_strings(value: str) -> tuple[str, ...]:
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return tuple(items)
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -74,27 +129,47 @@ def option_type(annotation: object) -> type:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    sock = listen(parser, args.host, args.port)  # before anything slow: a port in use is told now
     try:
         import nanovllm.entrypoints.openai_server  # noqa: F401  (needs the `serve` extra)
     except ImportError as e:
         parser.exit(
             1, f"nanovllm serve needs the serve extra (pip install 'nano-vllm[serve]'): {e}\n"
         )
-    return serve(parser, args)
+    return serve(parser, args, sock)
 
 
-def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def listen(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)  # "Address already in use"
+        parser.exit(2, f"nanovllm serve: cannot listen on {host}:{port}: {reason}\n")
+
+
+def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from nanovllm.engine import LLMEngine
     from nanovllm.engine.async_engine import AsyncEngine
+    from nanovllm.entrypoints import guards
     from nanovllm.entrypoints.openai_server import Server, build_app
 
     options = {
         k: v for k, v in vars(args).items() if k not in ("command", "model", *SERVER_OPTIONS)
     }
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.create_server((args.host, args.port), family=family)  # fails before loading
+    http = guards.HTTPOptions(
+        tuple(key for key in args.api_key or () if key) or guards.api_keys_from_environment(),
+        args.max_request_bytes or guards.DEFAULT_MAX_REQUEST_BYTES,
+        args.allowed_origins,
+        args.allowed_methods,
+        args.allowed_headers,
+        args.allow_credentials,
+    )
+    log_as_uvicorn_does(logging.getLogger("nanovllm"))
     try:
         engine = LLMEngine(args.model, **options)
     except (TypeError, ValueError) as e:
@@ -102,7 +177,8 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(str(e))
     front = AsyncEngine(engine)
     name = args.served_model_name or args.model
-    server = Server(uvicorn.Config(build_app(front, name), timeout_graceful_shutdown=5), front)
+    app = build_app(front, name, http)
+    server = Server(uvicorn.Config(app, timeout_graceful_shutdown=5), front)
     # uvicorn re-raises the signal that stopped it once its handlers are gone: these
     # catch it, so the process ends with status 0 after closing the engine.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,6 +190,16 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         front.close()
         sock.close()
     return 0
+
+
+def log_as_uvicorn_does(logger: logging.Logger) -> None:
+    """The engine's and the server's INFO lines on stderr, formatted as uvicorn's own."""
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

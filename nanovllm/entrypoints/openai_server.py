@@ -2,13 +2,16 @@
 
     GET  /health               200 while the engine thread runs
     GET  /v1/models            the one served model
-    POST /v1/completions       prompt: text, token ids, or a list of them
+    POST /v1/completions       prompt: text, token ids, or a list of them; echo for scoring
     POST /v1/chat/completions  messages rendered with the tokenizer's chat template
+    POST /tokenize, /detokenize  vLLM's: text or messages -> token ids, and back
     GET  /metrics              Prometheus text: queues, KV-cache use, token counters
 
 `stream: true` answers Server-Sent Events: `data: {chunk}` lines, then `data: [DONE]`.
 Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for a bad
-request (FastAPI's 422 included), 404 for another model's name or an unknown path.
+request (FastAPI's 422 included), 401 without the API key (guards.py), 404 for another
+model's name or an unknown path, 413 for a body past --max-request-bytes. A client that
+leaves has its request aborted, with one INFO line.
 """
 
 import asyncio
@@ -23,14 +26,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from nanovllm.engine.async_engine import AsyncEngine, Delta, RequestStream
-from nanovllm.entrypoints import protocol
-from nanovllm.entrypoints.protocol import ResponseHead, error_body
+from nanovllm.entrypoints import guards, protocol, responses
+from nanovllm.entrypoints.guards import HTTPOptions
+from nanovllm.entrypoints.metrics import EngineMetrics
+from nanovllm.entrypoints.protocol import error_body
+from nanovllm.entrypoints.responses import ResponseHead
+from nanovllm.entrypoints.tokenization import Tokenization, TokenizedPrompt
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -44,23 +49,31 @@ class Accepted(NamedTuple):
     stream: RequestStream
     params: SamplingParams
     body: dict
+    prompts: list[TokenizedPrompt]
 
 
-def build_app(front: AsyncEngine, model_name: str) -> FastAPI:
-    """The app; its lifespan starts the engine thread in uvicorn's event loop."""
+def build_app(front: AsyncEngine, model_name: str, options: HTTPOptions | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread in uvicorn's event loop, and the task
+    that gives memory back when the server is idle."""
+    options = options or HTTPOptions()
+    idle = guards.IdleTrim()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         front.start()
+        trimming = asyncio.create_task(idle.run(front.offload))
         yield
+        trimming.cancel()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
-    server = OpenAIServer(front, model_name)
+    server = OpenAIServer(front, model_name, options.max_request_bytes)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     app.add_exception_handler(
         RequestValidationError,
         lambda request, e: error_response(400, f"invalid request: {e.errors()}"),
@@ -71,6 +84,7 @@ def build_app(front: AsyncEngine, model_name: str) -> FastAPI:
             e.status_code, f"{request.method} {request.url.path}: {e.detail}"
         ),
     )
+    guards.install(app, options, idle)
     return app
 
 
@@ -92,8 +106,12 @@ def error_response(status: int, message: str, **fields: str | None) -> JSONRespo
 
 
 class OpenAIServer:
-    def __init__(self, front: AsyncEngine, model_name: str):
+    def __init__(self, front: AsyncEngine, model_name: str, max_request_bytes: int):
         self.front, self.model_name = front, model_name
+        self.max_request_bytes = max_request_bytes
+        self.tokenization = Tokenization(front)
+        config = front.engine.config
+        self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
         self.registry = CollectorRegistry()  # per app, so two apps in a process do not clash
         self.registry.register(EngineMetrics(front, model_name))
 
@@ -109,7 +127,7 @@ class OpenAIServer:
                     "object": "model",
                     "created": 0,
                     "owned_by": "nanovllm",
-                    "max_model_len": self.front.engine.config.max_model_len,
+                    "max_model_len": self.max_model_len,
                 }
             ],
         }
@@ -123,11 +141,35 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, self.tokenization.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, self.tokenization.detokenize)
+
+    async def _answer(self, request: Request, handle: Callable) -> Response:
+        """A request answered by one JSON object (the tokenizer's routes)."""
+        body: dict = {}
+        try:
+            body = await self._read(request)
+            return JSONResponse(await handle(body))
+        except Exception as e:
+            return _refusal(e, request, body)
+
+    async def _read(self, request: Request) -> dict:
+        body = await guards.read_json(request, self.max_request_bytes)
+        if body.get("model") not in (None, self.model_name):
+            raise ModelNotFound(
+                f"The model `{body['model']}` does not exist; this server "
+                f"serves `{self.model_name}`"
+            )
+        return body
+
     async def _serve(self, request: Request, chat: bool) -> Response:
         accepted = await self._accept(request, chat)
         if isinstance(accepted, Response):
             return accepted
-        stream, params, body = accepted
+        stream, params, body, prompts = accepted
         streamed, top_k = bool(body.get("stream")), params.logprobs
         if chat:
             head = ResponseHead(
@@ -135,10 +177,10 @@ class OpenAIServer:
                 "chat.completion.chunk" if streamed else "chat.completion",
                 self.model_name,
             )
-            choice = functools.partial(protocol.chat_choice, top_k=top_k, streamed=streamed)
+            choice = functools.partial(responses.chat_choice, top_k=top_k, streamed=streamed)
         else:
             head = ResponseHead("cmpl", "text_completion", self.model_name)
-            choice = functools.partial(protocol.completion_choice, top_k=top_k)
+            choice = functools.partial(responses.completion_choice, top_k=top_k)
         if streamed:
             chunks = self._chunks(
                 stream, head, choice, protocol.include_usage(body), top_k is not None, chat
@@ -146,63 +188,53 @@ class OpenAIServer:
             return EventStream(chunks, on_close=lambda: self.front.abort(stream))
         deltas = await self._collect(request, stream)
         if deltas is None:  # the client left; the request is aborted
+            logger.info("%s: the client went away; its request was aborted", request.url.path)
             return Response(status_code=499)
-        choices = protocol.merge(deltas, stream.num_choices)
-        return JSONResponse(
-            head(
-                choices=[choice(d) for d in choices],
-                usage=protocol.usage(
-                    stream.prompt_token_ids, sum(len(d.token_ids) for d in choices)
-                ),
+        echo = None
+        if protocol.echo(body):
+            echo = responses.Echoed(
+                [p.text for p in prompts],
+                stream.prompt_token_ids,
+                stream.prompt_logprobs,
+                keep_completion=not protocol.echo_only(body),
+                decode=self.front.tokenizer.decode,
             )
+        whole = functools.partial(
+            responses.whole, head, choice, deltas, stream.num_choices, stream.prompt_token_ids, echo
         )
+        # In the tokenizer thread: an echoed prompt's logprobs can make a large response.
+        return Response(await self.front.offload(whole), media_type="application/json")
 
     async def _accept(self, request: Request, chat: bool) -> Accepted | Response:
-        """Parse and check the request and queue it, or the error response."""
+        """Read, parse and check the request, tokenize its prompts and queue them (the
+        tokenizer's work off the event loop), or the error response."""
         body: dict = {}
         try:
-            body = protocol.parse_body(await request.body())
-            protocol.check_fields(body)
-            if body.get("model") not in (None, self.model_name):
-                raise ModelNotFound(
-                    f"The model `{body['model']}` does not exist; this server "
-                    f"serves `{self.model_name}`"
-                )
-            params = protocol.sampling_params(body, chat)
+            body = await self._read(request)
+            protocol.check_fields(body, chat)
+            params = protocol.sampling_params(body, chat, self.max_model_len, self.max_logprobs)
             protocol.include_usage(body)
-            prompts = (
-                [self._render(body)] if chat else protocol.completion_prompts(body.get("prompt"))
-            )
-            stream = await self.front.add_request(prompts, params, add_special_tokens=not chat)
-        except ModelNotFound as e:
-            return error_response(404, str(e), param="model", code="model_not_found")
-        except (TypeError, ValueError) as e:
-            return error_response(400, str(e), param=protocol.param_of(str(e), body))
-        return Accepted(stream, params, body)
-
-    def _render(self, body: dict) -> str:
-        """The conversation as the chat template renders it (pure Python, so the event loop
-        may run it; the tokenizer proper runs in the engine thread)."""
-        messages = protocol.chat_messages(body.get("messages"))
-        add_generation_prompt = body.get("add_generation_prompt", True)
-        try:
-            return self.front.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except TemplateError as e:
-            raise ValueError(f"messages: the chat template failed: {e}") from None
+            if chat:
+                prompts = [await self.tokenization.chat_prompt(body, params.n)]
+            else:
+                prompts = await self.tokenization.completion_prompts(body, params.n)
+            stream = await self.front.add_request([p.token_ids for p in prompts], params)
+        except Exception as e:
+            return _refusal(e, request, body)
+        return Accepted(stream, params, body, prompts)
 
     async def _chunks(
         self,
         stream: RequestStream,
         head: ResponseHead,
-        choice: Callable[[Delta], dict],
+        choice: Callable[..., dict],
         with_usage: bool,
         logprobs: bool,
         chat: bool,
     ) -> AsyncIterator[dict]:
         """One chunk per choice per step with new text (or tokens, when logprobs are
-        asked for); chat opens each choice with its role; the usage last, if asked."""
+        asked for); chat opens each choice with its role; the usage last, if asked.
+        A completions chunk's text_offsets continue its choice's text."""
         if chat:
             for i in range(stream.num_choices):
                 yield head(
@@ -215,14 +247,18 @@ class OpenAIServer:
                         }
                     ]
                 )
-        num_tokens = 0
+        num_tokens, sent = 0, [0] * stream.num_choices  # characters sent, per choice
         async for batch in self.front.deltas(stream):
             for delta in batch:
                 num_tokens += len(delta.token_ids)
                 if delta.text or delta.finish_reason or (logprobs and delta.token_ids):
-                    yield head(choices=[choice(delta)])
+                    if chat:
+                        yield head(choices=[choice(delta)])
+                    else:
+                        yield head(choices=[choice(delta, text_offset=sent[delta.index])])
+                    sent[delta.index] += len(delta.text)
         if with_usage:
-            yield head(choices=[], usage=protocol.usage(stream.prompt_token_ids, num_tokens))
+            yield head(choices=[], usage=responses.usage(stream.prompt_token_ids, num_tokens))
 
     async def _collect(self, request: Request, stream: RequestStream) -> list[Delta] | None:
         """Every Delta of the stream; None, and the request aborted, if the client leaves."""
@@ -237,8 +273,25 @@ class OpenAIServer:
         finally:
             gone.cancel()
             if not work.done():
-                work.cancel()  # its deltas() aborts the request
-        return work.result() if not work.cancelled() else None
+                work.cancel()  # its deltas() aborts the request as the cancellation lands
+        if not work.done() or work.cancelled():  # cancelled, or cancelling: the client left
+            return None
+        return work.result()
+
+
+def _refusal(error: Exception, request: Request, body: dict) -> Response:
+    """The response to a request refused before it was queued; errors other than the
+    client's are raised on."""
+    if isinstance(error, guards.ClientGone):
+        logger.info("%s: the client went away while sending its request", request.url.path)
+        return Response(status_code=499)
+    if isinstance(error, guards.HTTPError):
+        return error_response(error.status, str(error), code=error.code)
+    if isinstance(error, ModelNotFound):
+        return error_response(404, str(error), param="model", code="model_not_found")
+    if isinstance(error, (TypeError, ValueError)):
+        return error_response(400, str(error), param=protocol.param_of(str(error), body))
+    raise error
 
 
 async def _disconnected(request: Request) -> None:
@@ -270,48 +323,3 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         logger.exception("stream failed")
         yield f"data: {json.dumps(error_body(str(e), type_='internal_error'))}\n\n"
     yield "data: [DONE]\n\n"
-
-
-class EngineMetrics:
-    """A Prometheus collector reading the AsyncEngine's figures at each scrape."""
-
-    def __init__(self, front: AsyncEngine, model_name: str):
-        self.front, self.labels = front, [model_name]
-
-    def collect(self):
-        stats, front = self.front.stats, self.front
-        for family, name, doc, value in (
-            (
-                GaugeMetricFamily,
-                "num_requests_running",
-                "Sequences holding KV-cache blocks.",
-                stats.num_running,
-            ),
-            (
-                GaugeMetricFamily,
-                "num_requests_waiting",
-                "Sequences waiting to run.",
-                stats.num_waiting,
-            ),
-            (
-                GaugeMetricFamily,
-                "kv_cache_usage_perc",
-                "Fraction of KV-cache blocks in use (1 = all).",
-                stats.kv_cache_usage,
-            ),
-            (
-                CounterMetricFamily,
-                "prompt_tokens",
-                "Prompt tokens of requests taken.",
-                front.num_prompt_tokens,
-            ),
-            (
-                CounterMetricFamily,
-                "generation_tokens",
-                "Tokens generated.",
-                front.num_generation_tokens,
-            ),
-        ):
-            metric = family(f"nanovllm:{name}", doc, labels=["model_name"])
-            metric.add_metric(self.labels, value)
-            yield metric

@@ -1,21 +1,17 @@
-"""OpenAI's API in plain dicts: a request body -> prompts and SamplingParams, Deltas ->
-the response objects of /v1/completions and /v1/chat/completions (streamed or whole).
+"""OpenAI's API in plain dicts, the requests' side: a request body -> prompts and
+SamplingParams (responses.py has the other side), and the error body.
 
-Shapes are those of OpenAI's API reference (the `openai` client's types), with vLLM's
-extras: `stop_reason` on a choice and sampling fields OpenAI lacks (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...). A bad value
-raises TypeError / ValueError naming the field (SamplingParams' own checks included); the
-server answers those with 400.
+Shapes are those of OpenAI's API reference (the `openai` client's types), with vLLM's extras:
+sampling fields OpenAI lacks (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`min_tokens`, `stop_token_ids`, ...). A bad value raises TypeError / ValueError whose message
+begins with the field's name (SamplingParams' own checks included); the server answers those
+with 400.
 """
 
 import json
 import re
-import time
-import uuid
 from numbers import Integral
 
-from nanovllm.engine.async_engine import Delta
-from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import check_bool, check_int, check_number
 
@@ -39,8 +35,7 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
 )
 # OpenAI fields this server does not implement: refused when set rather than ignored.
-UNSUPPORTED_FIELDS = ("suffix", "echo", "tools", "functions", "response_format", "prompt_logprobs")
-MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+UNSUPPORTED_FIELDS = ("suffix", "tools", "functions", "response_format", "prompt_logprobs")
 
 
 def parse_body(raw: bytes) -> dict:
@@ -53,13 +48,29 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def check_fields(body: dict) -> None:
+def check_fields(body: dict, chat: bool) -> None:
     """Fields that every request checks the same way."""
     for name in UNSUPPORTED_FIELDS:
         if body.get(name):
             raise ValueError(f"{name} is not supported by this server")
     if body.get("stream") is not None:
         check_bool("stream", body["stream"])
+    if echo(body) and (chat or body.get("stream")):
+        raise ValueError(
+            "echo is supported on /v1/completions without stream (as lm-eval and other "
+            "evaluation harnesses send it)"
+        )
+
+
+def echo(body: dict) -> bool:
+    """Completions' echo: the prompt (its text, and with logprobs its tokens' logprobs, the
+    first None) before the completion in each choice."""
+    return body.get("echo") is not None and check_bool("echo", body["echo"])
+
+
+def echo_only(body: dict) -> bool:
+    """echo with max_tokens 0: the prompt and no completion (how lm-eval scores a text)."""
+    return echo(body) and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
 
 
 def include_usage(body: dict) -> bool:
@@ -72,26 +83,62 @@ def include_usage(body: dict) -> bool:
     return check_bool("stream_options.include_usage", options.get("include_usage", False))
 
 
-def sampling_params(body: dict, chat: bool) -> SamplingParams:
+def sampling_params(
+    body: dict, chat: bool, max_model_len: int, max_logprobs: int
+) -> SamplingParams:
     """The request's SamplingParams. max_tokens defaults as in vLLM: 16 for completions,
-    up to max_model_len for chat. Chat's logprobs is a bool with top_logprobs beside it."""
+    up to max_model_len for chat. Chat's logprobs is a bool with top_logprobs beside it.
+    With echo, the prompt's logprobs are asked as many as the completion's."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = logit_bias(body["logit_bias"])
     if not chat:
         kwargs.setdefault("max_tokens", 16)
         if body.get("logprobs") is not None:
-            kwargs["logprobs"] = body["logprobs"]
+            kwargs["logprobs"] = check_logprobs("logprobs", body["logprobs"], max_logprobs)
+        if echo(body):
+            kwargs["prompt_logprobs"] = kwargs.get("logprobs")
+        if echo_only(body):
+            # The engine computes a prompt's logprobs as it computes the prompt, which a
+            # request does only to generate: it generates one token, which the response
+            # leaves out (vLLM does the same).
+            kwargs["max_tokens"] = 1
     else:
-        kwargs.setdefault("max_tokens", body.get("max_completion_tokens"))
+        if body.get("max_completion_tokens") is not None:
+            kwargs.setdefault(
+                "max_tokens",
+                check_int("max_completion_tokens", body["max_completion_tokens"], minimum=1),
+            )
         top = body.get("top_logprobs")
         if top is not None:
-            check_int("top_logprobs", top, minimum=0, maximum=20)
+            check_logprobs("top_logprobs", top, max_logprobs)
         if check_bool("logprobs", body.get("logprobs") or False):
             kwargs["logprobs"] = top or 0
         elif top:
             raise ValueError("top_logprobs needs logprobs: true")
+    named = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    check_max_tokens(kwargs.get("max_tokens"), max_model_len, named)
     return SamplingParams(**kwargs)
+
+
+def check_logprobs(name: str, value: object, max_logprobs: int) -> int:
+    """vLLM's cap: a request's logprobs (each a dict per token) at most max_logprobs."""
+    if check_int(name, value, minimum=0) > max_logprobs:
+        raise ValueError(
+            f"{name}={value} is more than max_logprobs={max_logprobs}, this server's limit "
+            f"(the engine's max_logprobs)"
+        )
+    return value
+
+
+def check_max_tokens(max_tokens: object, max_model_len: int, name: str) -> None:
+    """More completion tokens than the context holds are refused, in vLLM's words (fewer are
+    accepted, prompt or not: generation stops at max_model_len tokens in all)."""
+    if type(max_tokens) is int and max_tokens > max_model_len:
+        raise ValueError(
+            f"{name}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens."
+        )
 
 
 def logit_bias(bias: object) -> dict[int, float]:
@@ -111,23 +158,30 @@ def logit_bias(bias: object) -> dict[int, float]:
 
 def completion_prompts(prompt: object) -> list[str | list[int]]:
     """A completions prompt: a string, token ids, or a list of either (one choice set each)."""
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
-    ):
+    if isinstance(prompt, str) or _is_token_ids(prompt):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise TypeError(
             "prompt must be a string, a list of token ids, or a non-empty list of those"
         )
     for item in prompt:
-        if not isinstance(item, (str, list)):
+        if not isinstance(item, str) and not _is_token_ids(item):
             raise TypeError(
                 f"prompt must be a string, a list of token ids, or a list of "
                 f"those; it holds a {type(item).__name__}"
             )
     return list(prompt)
+
+
+def _is_token_ids(prompt: object) -> bool:
+    """A list that begins with a number is meant as token ids (each is checked with the
+    prompt, off the event loop: a list can be long)."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and isinstance(prompt[0], (Integral, float))
+        and not isinstance(prompt[0], bool)
+    )
 
 
 def chat_messages(messages: object) -> list[dict]:
@@ -175,107 +229,3 @@ def param_of(message: str, body: dict) -> str | None:
     if named in body:
         return named
     return "prompt" if message.startswith("prompt") and "prompt" in body else None
-
-
-# -- responses ----------------------------------------------------------------------------
-
-
-class ResponseHead:
-    """What every object of one response shares: id, object, created, model."""
-
-    def __init__(self, prefix: str, obj: str, model: str):
-        self.fields = {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
-            "object": obj,
-            "created": int(time.time()),
-            "model": model,
-        }
-
-    def __call__(self, **rest: object) -> dict:
-        return {**self.fields, **rest}
-
-
-def usage(prompt_token_ids: list[list[int]], num_completion_tokens: int) -> dict:
-    prompt_tokens = sum(map(len, prompt_token_ids))  # each prompt once, whatever n is
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": prompt_tokens + num_completion_tokens,
-    }
-
-
-def merge(deltas: list[Delta], num_choices: int) -> list[Delta]:
-    """One Delta per choice holding all of its output, in index order."""
-    merged = [Delta(i, "", [], None) for i in range(num_choices)]
-    for delta in deltas:
-        whole = merged[delta.index]
-        whole.text += delta.text
-        whole.token_ids += delta.token_ids
-        if delta.logprobs is not None:
-            whole.logprobs = (whole.logprobs or []) + delta.logprobs
-        whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
-    return merged
-
-
-def completion_choice(delta: Delta, top_k: int | None) -> dict:
-    return {
-        "index": delta.index,
-        "text": delta.text,
-        "logprobs": None if top_k is None else completion_logprobs(delta, top_k),
-        "finish_reason": delta.finish_reason,
-        "stop_reason": delta.stop_reason,
-    }
-
-
-def chat_choice(delta: Delta, top_k: int | None, streamed: bool) -> dict:
-    message = {"content": delta.text} if streamed else {"role": "assistant", "content": delta.text}
-    return {
-        "index": delta.index,
-        "delta" if streamed else "message": message,
-        "logprobs": None if top_k is None else chat_logprobs(delta, top_k),
-        "finish_reason": delta.finish_reason,
-        "stop_reason": delta.stop_reason,
-    }
-
-
-def completion_logprobs(delta: Delta, top_k: int) -> dict:
-    """The legacy completions shape: parallel lists over the tokens."""
-    chosen = [entry[token] for token, entry in zip(delta.token_ids, delta.logprobs)]
-    return {
-        "tokens": [lp.decoded_token for lp in chosen],
-        "token_logprobs": [max(lp.logprob, MIN_LOGPROB) for lp in chosen],
-        "top_logprobs": [
-            {lp.decoded_token: max(lp.logprob, MIN_LOGPROB) for lp in _top(entry, top_k)}
-            for entry in delta.logprobs
-        ],
-    }
-
-
-def chat_logprobs(delta: Delta, top_k: int) -> dict:
-    """The chat shape: per token, itself and its top_k alternatives."""
-    return {
-        "content": [
-            dict(
-                _token_logprob(entry[token]),
-                top_logprobs=[_token_logprob(lp) for lp in _top(entry, top_k)],
-            )
-            for token, entry in zip(delta.token_ids, delta.logprobs)
-        ]
-    }
-
-
-def _token_logprob(logprob: Logprob) -> dict:
-    token = logprob.decoded_token
-    return {
-        "token": token,
-        "logprob": max(logprob.logprob, MIN_LOGPROB),
-        "bytes": list(token.encode("utf-8")),
-    }
-
-
-def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
-    """The entry's k most likely tokens, most likely first (the chosen one may be extra)."""
-    return sorted(
-        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-        key=lambda lp: lp.rank,
-    )
