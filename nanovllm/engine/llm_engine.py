@@ -125,6 +125,10 @@ class LLMEngine:
             vocab_size = self.config.hf_config.vocab_size
             token_ids = check_token_ids(token_ids, vocab_size)
             check_ids_in_vocabulary(params, vocab_size)  # bad ids would fail in the sampler
+            if params.structured_outputs is not None:  # its grammar compiled now: structured/
+                from nanovllm.structured import prepare
+
+                prepare(self, params)
             self.scheduler.check_fits(len(token_ids), params.max_tokens)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None

@@ -1,0 +1,101 @@
+"""The data plane's side of structured outputs: each constrained sequence's grammar matcher
+(xgrammar's GrammarMatcher, keyed by seq_id) and a step's token bitmask. Rank 0's sampling
+metadata builder holds the GrammarMatchers once a request has asked (structured.prepare).
+
+A matcher is advanced lazily, as penalties' token counts are: each step that samples a
+constrained sequence first feeds its matcher the tokens the sequence took since the last one,
+then fills that sequence's row of the bitmask. So it never needs telling what happened in
+between: a preempted sequence keeps its tokens (its matcher is where it was), one that
+finished (EOS, a stop string, length, abort) is forgotten, and each of a request's n
+sequences has its own matcher.
+
+    bitmask [B, ceil(vocab / 32)] int32: bit t % 32 of word t // 32 of row r = token t allowed
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.core.sequence import PENDING, Sequence
+from nanovllm.device import to_device
+from nanovllm.structured.grammars import Grammars
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """A batch's constrained rows and what each may sample."""
+
+    bitmask: torch.Tensor  # [>= B, ceil(vocab / 32)] int32, on the logits' device
+    rows: list[int]  # the constrained rows that sample; the others are left alone
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """-inf, in place, where a row's grammar forbids the token ([B, vocab] float32)."""
+        from xgrammar import apply_token_bitmask_inplace
+
+        apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    seq: Sequence
+    matcher: object  # xgrammar.GrammarMatcher
+    num_accepted: int = 0  # completion tokens the matcher has taken
+
+
+class GrammarMatchers:
+    def __init__(self, grammars: Grammars, device: torch.device):
+        self.grammars, self.device = grammars, device
+        self.xgr = grammars.xgr
+        self.vocab_size = grammars.tokenizer_info.vocab_size
+        self.tracked: dict[int, _Tracked] = {}  # seq_id -> its matcher
+        self.bitmask = self.xgr.allocate_token_bitmask(8, self.vocab_size)  # grows: CPU
+
+    def build(self, seqs: list[Sequence]) -> GrammarMask | None:
+        """The bitmask of a batch's constrained rows that sample this step; None if none does
+        (prompt chunks short of the end sample nothing; finished rows' tokens are dropped)."""
+        self._forget_finished()
+        rows = [i for i, seq in enumerate(seqs) if samples_under_grammar(seq)]
+        if not rows:
+            return None
+        if len(seqs) > len(self.bitmask):
+            self.bitmask = self.xgr.allocate_token_bitmask(2 * len(seqs), self.vocab_size)
+        for i in rows:
+            entry = self.tracked.get(seqs[i].seq_id) or self._track(seqs[i])
+            self._catch_up(entry)
+            entry.matcher.fill_next_token_bitmask(self.bitmask, i)
+        return GrammarMask(to_device(self.bitmask[: len(seqs)], self.device), rows)
+
+    def _track(self, seq: Sequence) -> _Tracked:
+        """A new matcher; its stop tokens are the sequence's (EOS and stop_token_ids): the
+        tokens the scheduler ends it on, allowed where the grammar is complete."""
+        compiled = self.grammars.compile(seq.sampling_params.structured_outputs)
+        matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(seq.stop_token_ids))
+        entry = self.tracked[seq.seq_id] = _Tracked(seq, matcher)
+        return entry
+
+    @staticmethod
+    def _catch_up(entry: _Tracked) -> None:
+        """Feed the matcher the tokens its sequence took since it last saw it."""
+        seq = entry.seq
+        new = seq.token_ids[seq.num_prompt_tokens + entry.num_accepted :]
+        assert PENDING not in new, "a constrained row sampled before its last token was read"
+        for token in new:
+            if not entry.matcher.accept_token(token):
+                raise RuntimeError(
+                    f"sequence {seq.seq_id}: token {token} breaks its grammar, which the "
+                    f"bitmask should have prevented"
+                )
+        entry.num_accepted += len(new)
+
+    def _forget_finished(self) -> None:
+        for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
+            del self.tracked[seq_id]
+
+
+def samples_under_grammar(seq: Sequence) -> bool:
+    """seq has a grammar and samples a token this step (its chunk reaches its end)."""
+    return (
+        seq.sampling_params.structured_outputs is not None
+        and not seq.is_finished
+        and seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
+    )
