@@ -40,13 +40,15 @@ class OverlapLoop:
         """Queue step n + 1, then read step n's tokens (which this step reports)."""
         engine, scheduler = self.engine, self.engine.scheduler
         seqs = scheduler.schedule()
-        num_prefill, num_decode = engine.count_tokens(seqs)
         previous, self.in_flight = self.in_flight, None
         accepted = []
         # Penalties count a batch's tokens on the host, and a grammar's matcher must see its
-        # sequence's last token before it masks the next: the step in flight is read first.
+        # sequence's last token before it masks the next: the step in flight is read first,
+        # and what its tokens ended (their blocks freed) leaves this step's batch.
         if previous is not None and (not seqs or any(needs_last_token(s) for s in seqs)):
             accepted, previous = engine.postprocess(previous.seqs, previous.out), None
+            seqs = [seq for seq in seqs if not seq.is_finished]
+        num_prefill, num_decode = engine.count_tokens(seqs)
         if seqs:
             out = engine.model_runner.execute_model(seqs, self.feed(seqs, previous))
         if previous is not None:
