@@ -6,8 +6,9 @@ thread applies between steps, and gets back each request's new text and tokens p
     event loop <── one batch of Deltas per step (call_soon_threadsafe) ───────┘
 
 The engine is not thread-safe, so nothing else calls it: the tokenizer runs in the loop
-thread too. A consumer that stops listening aborts its request, which frees its blocks
-before the next step.
+thread too. Only a request's grammar (structured outputs) is compiled before it is queued, in
+a thread of the event loop's executor, so the steps go on meanwhile. A consumer that stops
+listening aborts its request, which frees its blocks before the next step.
 """
 
 import asyncio
@@ -23,6 +24,7 @@ from nanovllm.engine import EngineStats, LLMEngine, NewToken
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured import prepare
 
 logger = logging.getLogger("nanovllm")
 
@@ -136,6 +138,8 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue the prompts (text is tokenized in the loop thread); raises the engine's
         TypeError / ValueError if one is refused, in which case none is queued."""
+        if params.structured_outputs is not None:  # compiled here: the steps go on meanwhile
+            await asyncio.get_running_loop().run_in_executor(None, prepare, self.engine, params)
         stream = RequestStream(prompts, params, add_special_tokens, self._loop)
         self._commands.put(lambda: self._add(stream))
         try:

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from nanovllm.engine.async_engine import AsyncEngine, Delta, RequestStream
 from nanovllm.entrypoints import protocol
 from nanovllm.entrypoints.protocol import ResponseHead, error_body
+from nanovllm.entrypoints.tools import ToolCalling
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -139,15 +140,20 @@ class OpenAIServer:
         else:
             head = ResponseHead("cmpl", "text_completion", self.model_name)
             choice = functools.partial(protocol.completion_choice, top_k=top_k)
+        calling = ToolCalling.from_body(body) if chat else None  # tools.py reads the text
         if streamed:
             chunks = self._chunks(
                 stream, head, choice, protocol.include_usage(body), top_k is not None, chat
             )
+            if calling is not None:
+                chunks = calling.stream(chunks)
             return EventStream(chunks, on_close=lambda: self.front.abort(stream))
         deltas = await self._collect(request, stream)
         if deltas is None:  # the client left; the request is aborted
             return Response(status_code=499)
         choices = protocol.merge(deltas, stream.num_choices)
+        if calling is not None:
+            choice = calling.read_calls(choice)
         return JSONResponse(
             head(
                 choices=[choice(d) for d in choices],
@@ -185,9 +191,13 @@ class OpenAIServer:
         may run it; the tokenizer proper runs in the engine thread)."""
         messages = protocol.chat_messages(body.get("messages"))
         add_generation_prompt = body.get("add_generation_prompt", True)
+        calling = ToolCalling.from_body(body)  # its tools rendered, unless tool_choice is "none"
         try:
             return self.front.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=None if calling is None else calling.tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed: {e}") from None

@@ -15,6 +15,8 @@ import uuid
 from numbers import Integral
 
 from nanovllm.engine.async_engine import Delta
+from nanovllm.entrypoints import structured
+from nanovllm.entrypoints.tools import template_messages
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import check_bool, check_int, check_number
@@ -39,7 +41,7 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
 )
 # OpenAI fields this server does not implement: refused when set rather than ignored.
-UNSUPPORTED_FIELDS = ("suffix", "echo", "tools", "functions", "response_format", "prompt_logprobs")
+UNSUPPORTED_FIELDS = ("suffix", "echo", "functions", "prompt_logprobs")
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
 
 
@@ -76,6 +78,7 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
     """The request's SamplingParams. max_tokens defaults as in vLLM: 16 for completions,
     up to max_model_len for chat. Chat's logprobs is a bool with top_logprobs beside it."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    kwargs["structured_outputs"] = structured.structured_outputs(body, chat)  # None: free
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = logit_bias(body["logit_bias"])
     if not chat:
@@ -134,7 +137,10 @@ def chat_messages(messages: object) -> list[dict]:
     """The conversation as {"role", "content": str} dicts (text content parts joined)."""
     if not isinstance(messages, list) or not messages:
         raise TypeError("messages must be a non-empty list of {'role', 'content'} objects")
-    return [{"role": _role(m), "content": _text_content(m.get("content"))} for m in messages]
+    return [
+        {"role": _role(m), "content": _text_content(m.get("content")), **template_messages(m)}
+        for m in messages
+    ]
 
 
 def _role(message: object) -> str:
@@ -172,6 +178,8 @@ def param_of(message: str, body: dict) -> str | None:
     """The field an error message names first: SamplingParams' messages begin with it, the
     engine's with "prompt N: " and then the field, unless the prompt itself is at fault."""
     named = re.match(r"(?:prompt \d+: )?(\w*)", message)[1]
+    if named == "structured_outputs":  # the engine's name, for what the body may call otherwise
+        named = structured.source(body)
     if named in body:
         return named
     return "prompt" if message.startswith("prompt") and "prompt" in body else None
