@@ -39,10 +39,11 @@ def prepare(engine: "LLMEngine", params: "SamplingParams") -> None:
             "structured_outputs cannot be combined with ignore_eos or min_tokens: the grammar "
             "decides where the output may end (EOS is allowed there and only there)"
         )
-    if not engine.eos_token_ids and not params.stop_token_ids:
+    vocab_size = engine.config.hf_config.vocab_size
+    if not any(t < vocab_size for t in (*engine.eos_token_ids, *params.stop_token_ids)):
         raise ValueError(
             "structured_outputs needs a token to end the output on: the model has no EOS "
-            "token, so give stop_token_ids"
+            "token in its vocabulary, so give stop_token_ids"
         )
     builder = engine.model_runner.sampling_metadata
     with _SETUP:
@@ -50,6 +51,6 @@ def prepare(engine: "LLMEngine", params: "SamplingParams") -> None:
             from nanovllm.structured.grammars import Grammars
             from nanovllm.structured.matchers import GrammarMatchers
 
-            grammars = Grammars(engine.tokenizer, engine.config.hf_config.vocab_size)
+            grammars = Grammars(engine.tokenizer, vocab_size)
             builder.grammars = GrammarMatchers(grammars, builder.device)
     builder.grammars.grammars.compile(constraint)

@@ -48,6 +48,7 @@ class GrammarMatchers:
         self.xgr = grammars.xgr
         self.vocab_size = grammars.tokenizer_info.vocab_size
         self.tracked: dict[int, _Tracked] = {}  # seq_id -> its matcher
+        self.batch = self.xgr.BatchGrammarMatcher()  # every row's matcher in one call
         self.bitmask = self.xgr.allocate_token_bitmask(8, self.vocab_size)  # grows: CPU
 
     def build(self, seqs: list[Sequence]) -> GrammarMask | None:
@@ -59,33 +60,39 @@ class GrammarMatchers:
             return None
         if len(seqs) > len(self.bitmask):
             self.bitmask = self.xgr.allocate_token_bitmask(2 * len(seqs), self.vocab_size)
-        for i in rows:
-            entry = self.tracked.get(seqs[i].seq_id) or self._track(seqs[i])
-            self._catch_up(entry)
-            entry.matcher.fill_next_token_bitmask(self.bitmask, i)
+        entries = [self.tracked.get(seqs[i].seq_id) or self._track(seqs[i]) for i in rows]
+        self._catch_up(entries)
+        matchers = [entry.matcher for entry in entries]
+        self.batch.batch_fill_next_token_bitmask(matchers, self.bitmask, rows)
         return GrammarMask(to_device(self.bitmask[: len(seqs)], self.device), rows)
 
     def _track(self, seq: Sequence) -> _Tracked:
         """A new matcher; its stop tokens are the sequence's (EOS and stop_token_ids): the
-        tokens the scheduler ends it on, allowed where the grammar is complete."""
+        tokens the scheduler ends it on, allowed where the grammar is complete (those of the
+        vocabulary: a config may name an EOS id its checkpoint does not have)."""
         compiled = self.grammars.compile(seq.sampling_params.structured_outputs)
-        matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(seq.stop_token_ids))
+        stops = sorted(t for t in seq.stop_token_ids if t < self.vocab_size)
+        matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
         entry = self.tracked[seq.seq_id] = _Tracked(seq, matcher)
         return entry
 
-    @staticmethod
-    def _catch_up(entry: _Tracked) -> None:
-        """Feed the matcher the tokens its sequence took since it last saw it."""
-        seq = entry.seq
-        new = seq.token_ids[seq.num_prompt_tokens + entry.num_accepted :]
-        assert PENDING not in new, "a constrained row sampled before its last token was read"
-        for token in new:
-            if not entry.matcher.accept_token(token):
-                raise RuntimeError(
-                    f"sequence {seq.seq_id}: token {token} breaks its grammar, which the "
-                    f"bitmask should have prevented"
-                )
-        entry.num_accepted += len(new)
+    def _catch_up(self, entries: list[_Tracked]) -> None:
+        """Feed each matcher the tokens its sequence took since it last saw it: one each,
+        the last step's, but after the first step (none) and a preemption's recompute (none),
+        so one batch call a step."""
+        behind = [(e, e.seq.token_ids[e.seq.num_prompt_tokens + e.num_accepted :]) for e in entries]
+        while behind := [(entry, new) for entry, new in behind if new]:
+            assert all(new[0] != PENDING for _, new in behind), "a token not read yet"
+            tokens = [new[0] for _, new in behind]
+            accepted = self.batch.batch_accept_token([e.matcher for e, _ in behind], tokens)
+            for (entry, _), token, ok in zip(behind, tokens, accepted):
+                if not ok:
+                    raise RuntimeError(
+                        f"sequence {entry.seq.seq_id}: token {token} breaks its grammar, "
+                        f"which the bitmask should have prevented"
+                    )
+                entry.num_accepted += 1
+            behind = [(entry, new[1:]) for entry, new in behind]
 
     def _forget_finished(self) -> None:
         for seq_id in [i for i, entry in self.tracked.items() if entry.seq.is_finished]:
