@@ -285,6 +285,7 @@ def test_each_distinct_constraint_is_compiled_once(llm):
     [
         (dict(json={"type": "object", "properties": {"a": {"type": 5}}}), "json"),
         (dict(json="{not json"), "json"),
+        (dict(json={"type": "object", "properties": {"a": {"not": {"type": "null"}}}}), "json"),
         (dict(regex="(unclosed"), "regex"),
         (dict(grammar='root ::= "a" missing'), "grammar"),
     ],
@@ -328,3 +329,14 @@ def test_async_scheduling_gives_the_synchronous_engines_constrained_outputs(path
     with LLM(path, **dict(ENGINE, async_scheduling=True)) as overlapped:
         outs = overlapped.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_tensor_parallel_engines_give_one_ranks_constrained_outputs(path, llm):
+    """Rank 0 samples, with its matchers; the spawned rank never sees a grammar."""
+    prompts = make_prompts([9, 13], seed=12)
+    params = [constrained(100, **KINDS[0]), constrained(100, 0.9, **KINDS[2])]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, **dict(ENGINE, tensor_parallel_size=2)) as sharded:
+        assert [o.outputs[0].text for o in sharded.generate(prompts, params, use_tqdm=False)] == (
+            expected
+        )

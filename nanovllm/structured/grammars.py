@@ -22,6 +22,9 @@ MAX_WHITESPACE = 32
 # xgrammar 0.2.9's character of a length-bounded JSON string, and JSON's (no control character).
 BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
 JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
+# Schema keywords whose value maps names to schemas, and those whose value is data.
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+VALUES = ("enum", "const", "default", "examples", "required", "dependentRequired")
 
 
 def import_xgrammar():
@@ -133,7 +136,34 @@ def schema(spec: str | dict) -> dict:
         raise ValueError(
             f"structured_outputs.json must be a JSON schema object, got {type(spec).__name__}"
         )
+    if (keyword := unenforced(spec)) is not None:
+        raise ValueError(
+            f"structured_outputs.json uses {keyword}, which xgrammar accepts but does not "
+            f"enforce: an output could break the schema"
+        )
     return spec
+
+
+def unenforced(schema: object) -> str | None:
+    """A keyword of the schema that xgrammar 0.2.9 ignores: `not`, `if` (with then / else), an
+    `allOf` of several schemas. The names in `properties` and the like, and the values in
+    `enum`, `const` and the like, are not keywords."""
+    if isinstance(schema, list):
+        return next(filter(None, map(unenforced, schema)), None)
+    if not isinstance(schema, dict):
+        return None
+    if "not" in schema or "if" in schema:
+        return "not" if "not" in schema else "if"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "an allOf of several schemas"
+    for key, value in schema.items():
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
+            value = list(value.values())
+        elif key in VALUES:
+            continue
+        if (found := unenforced(value)) is not None:
+            return found
+    return None
 
 
 def choice_grammar(choices: list[str]) -> str:
