@@ -49,7 +49,7 @@ class ToolCalling:
         """The body's tool calling; None without tools or with tool_choice "none"."""
         tools, choice = body.get("tools"), body.get("tool_choice")
         if not tools:
-            if choice not in (None, "none"):
+            if choice not in (None, "none", "auto"):
                 raise ValueError("tool_choice needs tools: give the functions in `tools`")
             return None
         parameters = check_tools(tools)
@@ -85,8 +85,9 @@ class ToolCalling:
         parser = self.parser()
         deltas = parser.feed(choice["message"]["content"]) + parser.finish()
         text = "".join(d.get("content", "") for d in deltas)
-        message = {"role": "assistant", "content": text or None}
-        if calls := merge_calls(deltas):
+        calls = merge_calls(deltas)
+        message = {"role": "assistant", "content": None if calls and not text else text}
+        if calls:
             message["tool_calls"] = calls
         return dict(choice, message=message, finish_reason=parser.finish_reason(choice))
 
