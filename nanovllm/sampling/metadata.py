@@ -32,7 +32,7 @@ class SamplingMetadata:
 
 class SamplingMetadataBuilder:
     """Builds each step's SamplingMetadata on rank 0. It keeps, across steps, what penalties
-    count (penalties.py's TokenCounts, made once a request asks for a penalty)."""
+    count (penalties.py's TokenCounts) and grammars' matchers (structured/), made once asked."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
