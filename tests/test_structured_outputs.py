@@ -14,6 +14,7 @@ from invariants import check_scheduler
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.structured import StructuredOutputsParams
+from nanovllm.structured.grammars import Grammars
 
 BLOCK = 16
 ENGINE = dict(device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=160, max_model_len=1024)
@@ -270,14 +271,21 @@ def test_a_stop_string_or_an_abort_ends_a_constrained_sequence_and_its_matcher(l
     assert not {entry.seq.request_id for entry in tracked} & set(ids)
 
 
-def test_each_distinct_constraint_is_compiled_once(llm):
-    grammars = llm.model_runner.sampling_metadata.grammars.grammars
-    params = [constrained(8, regex="[0-9]{4}"), constrained(8, regex="[0-9]{4}")]
-    params.append(constrained(8, regex="[a-z]{4}"))
-    before = dict(grammars.cache)
-    llm.generate(make_prompts([4, 5, 6], seed=8), params, use_tqdm=False)
-    new = [key for key in grammars.cache if key not in before]
-    assert sorted(new) == [("regex", "[0-9]{4}", False), ("regex", "[a-z]{4}", False)]
+def test_each_distinct_constraint_is_compiled_once(llm, monkeypatch):
+    compiled = []
+    compile_grammar = Grammars._compile
+
+    def counted(self, params):
+        compiled.append(params.key())
+        return compile_grammar(self, params)
+
+    monkeypatch.setattr(Grammars, "_compile", counted)
+    params = [constrained(8, regex="[0-9]{5}"), constrained(8, regex="[0-9]{5}")]
+    params.append(constrained(8, regex="[a-z]{5}"))
+    outs = llm.generate(make_prompts([4, 5, 6], seed=8), params, use_tqdm=False)
+    llm.generate(make_prompts([7], seed=8), params[0], use_tqdm=False)  # a later request too
+    assert compiled == [("regex", "[0-9]{5}", False), ("regex", "[a-z]{5}", False)]
+    assert all(re.fullmatch("[0-9]{5}|[a-z]{5}", out.outputs[0].text) for out in outs)
 
 
 @pytest.mark.parametrize(
