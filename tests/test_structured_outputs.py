@@ -9,10 +9,12 @@ import re
 import jsonschema
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, native_library
 from invariants import check_scheduler
+from xgrammar import allocate_token_bitmask, apply_token_bitmask_inplace
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import cpu_bitmask
 from nanovllm.structured import StructuredOutputsParams
 from nanovllm.structured.grammars import Grammars
 
@@ -348,3 +350,26 @@ def test_tensor_parallel_engines_give_one_ranks_constrained_outputs(path, llm):
         assert [o.outputs[0].text for o in sharded.generate(prompts, params, use_tqdm=False)] == (
             expected
         )
+
+
+@pytest.mark.parametrize("vocab", [512, 1000, 4099])
+def test_the_cpu_bitmask_kernel_masks_what_xgrammar_and_a_plain_reference_mask(vocab):
+    """Words all 0, all 1 and mixed, a vocabulary that ends inside a word, some rows only:
+    against xgrammar's own kernel and the bits read one by one in torch."""
+    library = native_library(cpu_bitmask.load)
+    g = torch.Generator().manual_seed(vocab)
+    bitmask = allocate_token_bitmask(6, vocab)
+    bitmask.random_(-(2**31), 2**31 - 1, generator=g)
+    bitmask[1] = 0
+    bitmask[2, ::2] = -1
+    bitmask[2, 1::2] = 0
+    logits = torch.randn(6, vocab, generator=g)
+    rows = [0, 1, 2, 4]
+    bits = (bitmask.view(-1, 1).long() >> torch.arange(32)) & 1  # [6 * words, 32]
+    allowed = bits.view(6, -1)[:, :vocab].bool()
+    expected = logits.clone()
+    expected[rows] = torch.where(allowed[rows], logits[rows], float("-inf"))
+    ours, theirs = logits.clone(), logits.clone()
+    cpu_bitmask.apply_bitmask(library, ours, bitmask, torch.tensor(rows))
+    apply_token_bitmask_inplace(theirs, bitmask, indices=rows)
+    assert torch.equal(ours, expected) and torch.equal(theirs, expected)

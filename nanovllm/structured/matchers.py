@@ -18,6 +18,7 @@ import torch
 
 from nanovllm.core.sequence import PENDING, Sequence
 from nanovllm.device import to_device
+from nanovllm.kernels import cpu_bitmask
 from nanovllm.structured.grammars import Grammars
 
 
@@ -29,10 +30,17 @@ class GrammarMask:
     rows: list[int]  # the constrained rows that sample; the others are left alone
 
     def apply(self, logits: torch.Tensor) -> None:
-        """-inf, in place, where a row's grammar forbids the token ([B, vocab] float32)."""
-        from xgrammar import apply_token_bitmask_inplace
+        """-inf, in place, where a row's grammar forbids the token ([B, vocab] float32). On a
+        CPU by kernels/cpu_bitmask.cpp (16x faster than xgrammar's there: a word at a time),
+        else by xgrammar's kernel (Triton on CUDA)."""
+        library = cpu_bitmask.load() if logits.is_cpu else None
+        if library is not None:
+            rows = torch.tensor(self.rows, dtype=torch.int64)
+            cpu_bitmask.apply_bitmask(library, logits, self.bitmask, rows)
+        else:
+            from xgrammar import apply_token_bitmask_inplace
 
-        apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+            apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
 
 
 @dataclass(slots=True)
