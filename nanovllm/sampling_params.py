@@ -30,6 +30,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (the first: None)
     include_stop_str_in_output: bool = False  # keep the stop string (or token) in the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    structured_outputs: object = None  # a StructuredOutputsParams (structured/): one constraint
 
     def __post_init__(self) -> None:
         check_number("temperature", self.temperature, 0, math.inf, "a number >= 0 (0 means greedy)")

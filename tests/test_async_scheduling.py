@@ -147,8 +147,23 @@ def test_greedy_async_engine_matches_transformers_with_chunked_mixed_steps(check
             max_tokens=20,
         ),
         SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=1, logprobs=1),
+        # Read before the next step is queued (penalties count on the host): what ends on
+        # those tokens leaves the batch already scheduled (it crashed with emptied blocks).
+        SamplingParams(
+            temperature=0.7,
+            seed=4,
+            repetition_penalty=1.3,
+            max_tokens=20,
+            stop_token_ids=list(range(100, 300)),
+        ),
     ],
-    ids=["seeded-n2-logprobs", "stops-min-tokens", "penalties", "prompt-logprobs"],
+    ids=[
+        "seeded-n2-logprobs",
+        "stops-min-tokens",
+        "penalties",
+        "prompt-logprobs",
+        "penalties-stop",
+    ],
 )
 def test_async_engine_returns_what_the_synchronous_engine_returns(checkpoints, params):
     ps = ["the quick brown fox", "a", "jumps over the lazy dog " * 3, "hello world"]

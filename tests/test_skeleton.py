@@ -45,6 +45,10 @@ OPTIONAL = [
     "nanovllm/sampling/logprobs.py",
     "nanovllm/sampling/penalties.py",
     "nanovllm/sampling/seeded.py",
+    "nanovllm/structured/__init__.py",
+    "nanovllm/structured/grammars.py",
+    "nanovllm/structured/matchers.py",
+    "nanovllm/structured/params.py",
 ] + (["nanovllm/attention/gathered_decode.py"] if HAS_COMPILER else [])
 
 

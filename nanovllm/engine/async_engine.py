@@ -7,11 +7,12 @@ thread applies between steps, and gets back each request's new text and tokens p
     event loop <── one batch of Deltas per step (call_soon_threadsafe) ───────┘
 
 The engine is not thread-safe, so the loop thread alone steps it; what costs time in
-proportion to a request's size (a chat template, tokenizing, checking token ids) runs in
-the tokenizer thread, so a huge prompt delays neither the steps nor the event loop. One
-tokenizer thread, as vLLM's: a fast tokenizer's settings are not safe to share between
-threads. A consumer that stops listening aborts its request, which frees its blocks before
-the next step.
+proportion to a request's size (a chat template, tokenizing, checking token ids, compiling a
+structured output's grammar: the engine's make_request) runs in the tokenizer thread, so a huge
+prompt delays neither the steps nor the event loop (a grammar is compiled beforehand in a
+thread of its own: add_request). One tokenizer thread, as vLLM's: a fast
+tokenizer's settings are not safe to share between threads. A consumer that stops listening
+aborts its request, which frees its blocks before the next step.
 """
 
 import asyncio
@@ -145,7 +146,12 @@ class AsyncEngine:
     async def add_request(self, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
         """Check the prompts (in the tokenizer thread: the engine's make_request) and queue
         them; raises the engine's TypeError / ValueError if one is refused, in which case none
-        is queued."""
+        is queued. A structured output's grammar is compiled first in a thread of its own (its
+        cache then answers make_request), so a slow one holds up no other request."""
+        if params.structured_outputs is not None:
+            from nanovllm.structured import prepare
+
+            await asyncio.get_running_loop().run_in_executor(None, prepare, self.engine, params)
         requests = await self.offload(self._make_requests, prompts, params)
         stream = RequestStream(requests, params, self._loop)
         self._commands.put(lambda: self._add(stream))

@@ -127,6 +127,10 @@ class LLMEngine:
             check_ids_in_vocabulary(params, vocab_size)  # bad ids would fail in the sampler
             if max(params.logprobs or 0, params.prompt_logprobs or 0) > self.config.max_logprobs:
                 raise ValueError(f"logprobs may be at most max_logprobs={self.config.max_logprobs}")
+            if params.structured_outputs is not None:  # its grammar compiled now: structured/
+                from nanovllm.structured import prepare
+
+                prepare(self, params)
             self.scheduler.check_fits(len(token_ids), params.max_tokens)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None

@@ -40,14 +40,15 @@ class OverlapLoop:
         """Queue step n + 1, then read step n's tokens (which this step reports)."""
         engine, scheduler = self.engine, self.engine.scheduler
         seqs = scheduler.schedule()
-        num_prefill, num_decode = engine.count_tokens(seqs)
         previous, self.in_flight = self.in_flight, None
         accepted = []
-        # Penalties count a batch's tokens on the host: the step in flight is read first.
-        if previous is not None and (
-            not seqs or any(s.sampling_params.has_penalties for s in seqs)
-        ):
+        # Penalties count a batch's tokens on the host, and a grammar's matcher must see its
+        # sequence's last token before it masks the next: the step in flight is read first,
+        # and what its tokens ended (their blocks freed) leaves this step's batch.
+        if previous is not None and (not seqs or any(needs_last_token(s) for s in seqs)):
             accepted, previous = engine.postprocess(previous.seqs, previous.out), None
+            seqs = [seq for seq in seqs if not seq.is_finished]
+        num_prefill, num_decode = engine.count_tokens(seqs)
         if seqs:
             out = engine.model_runner.execute_model(seqs, self.feed(seqs, previous))
         if previous is not None:
@@ -74,3 +75,9 @@ class OverlapLoop:
     def reset(self) -> None:
         """After a failed step: nothing is in flight any more."""
         self.in_flight = None
+
+
+def needs_last_token(seq: Sequence) -> bool:
+    """Its sampling reads its last token on the host (penalties, a grammar)."""
+    params = seq.sampling_params
+    return params.has_penalties or params.structured_outputs is not None

@@ -36,6 +36,7 @@ from nanovllm.entrypoints.metrics import EngineMetrics
 from nanovllm.entrypoints.protocol import error_body
 from nanovllm.entrypoints.responses import ResponseHead
 from nanovllm.entrypoints.tokenization import Tokenization, TokenizedPrompt
+from nanovllm.entrypoints.tools import ToolCalling
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -181,10 +182,13 @@ class OpenAIServer:
         else:
             head = ResponseHead("cmpl", "text_completion", self.model_name)
             choice = functools.partial(responses.completion_choice, top_k=top_k)
+        calling = ToolCalling.from_body(body) if chat else None  # tools.py reads the text
         if streamed:
             chunks = self._chunks(
                 stream, head, choice, protocol.include_usage(body), top_k is not None, chat
             )
+            if calling is not None:
+                chunks = calling.stream(chunks)
             return EventStream(chunks, on_close=lambda: self.front.abort(stream))
         deltas = await self._collect(request, stream)
         if deltas is None:  # the client left; the request is aborted
@@ -199,6 +203,8 @@ class OpenAIServer:
                 keep_completion=not protocol.echo_only(body),
                 decode=self.front.tokenizer.decode,
             )
+        if calling is not None:
+            choice = calling.read_calls(choice)
         whole = functools.partial(
             responses.whole, head, choice, deltas, stream.num_choices, stream.prompt_token_ids, echo
         )

@@ -12,6 +12,8 @@ import json
 import re
 from numbers import Integral
 
+from nanovllm.entrypoints import structured
+from nanovllm.entrypoints.tools import template_messages
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import check_bool, check_int, check_number
 
@@ -35,7 +37,7 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
 )
 # OpenAI fields this server does not implement: refused when set rather than ignored.
-UNSUPPORTED_FIELDS = ("suffix", "tools", "functions", "response_format", "prompt_logprobs")
+UNSUPPORTED_FIELDS = ("suffix", "functions", "prompt_logprobs")
 
 
 def parse_body(raw: bytes) -> dict:
@@ -90,6 +92,7 @@ def sampling_params(
     up to max_model_len for chat. Chat's logprobs is a bool with top_logprobs beside it.
     With echo, the prompt's logprobs are asked as many as the completion's."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    kwargs["structured_outputs"] = structured.structured_outputs(body, chat)  # None: free
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = logit_bias(body["logit_bias"])
     if not chat:
@@ -188,7 +191,10 @@ def chat_messages(messages: object) -> list[dict]:
     """The conversation as {"role", "content": str} dicts (text content parts joined)."""
     if not isinstance(messages, list) or not messages:
         raise TypeError("messages must be a non-empty list of {'role', 'content'} objects")
-    return [{"role": _role(m), "content": _text_content(m.get("content"))} for m in messages]
+    return [
+        {"role": _role(m), "content": _text_content(m.get("content")), **template_messages(m)}
+        for m in messages
+    ]
 
 
 def _role(message: object) -> str:
@@ -226,6 +232,8 @@ def param_of(message: str, body: dict) -> str | None:
     """The field an error message names first: SamplingParams' messages begin with it, the
     engine's with "prompt N: " and then the field, unless the prompt itself is at fault."""
     named = re.match(r"(?:prompt \d+: )?(\w*)", message)[1]
+    if named == "structured_outputs":  # the engine's name, for what the body may call otherwise
+        named = structured.source(body)
     if named in body:
         return named
     return "prompt" if message.startswith("prompt") and "prompt" in body else None

@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from nanovllm.engine.async_engine import AsyncEngine
 from nanovllm.engine.llm_engine import check_token_ids
 from nanovllm.entrypoints import protocol
+from nanovllm.entrypoints.tools import ToolCalling
 from nanovllm.utils import check_bool
 
 
@@ -58,8 +59,10 @@ class Tokenization:
         add_generation_prompt = body.get("add_generation_prompt", True)
         check_bool("add_generation_prompt", add_generation_prompt)
         self.check_length("messages", "".join(m["content"] for m in messages))
+        calling = ToolCalling.from_body(body)  # its tools rendered, unless tool_choice is "none"
+        tools = None if calling is None else calling.tools
         return await self.front.offload(
-            self._render, messages, add_generation_prompt, add_special_tokens
+            self._render, messages, add_generation_prompt, add_special_tokens, tools
         )
 
     def check_choices(self, num_prompts: int, n: int) -> None:
@@ -106,11 +109,15 @@ class Tokenization:
             raise type(e)(f"{name}: {e}") from None
 
     def _render(
-        self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+        tools: list[dict] | None = None,
     ) -> TokenizedPrompt:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed: {e}") from None

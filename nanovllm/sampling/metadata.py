@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from nanovllm.sampling.filters import Filters
     from nanovllm.sampling.penalties import Penalties, TokenCounts
     from nanovllm.sampling.seeded import SeededRows
+    from nanovllm.structured.matchers import GrammarMask, GrammarMatchers
 
 
 @dataclass(slots=True)
@@ -26,15 +27,17 @@ class SamplingMetadata:
     penalties: "Penalties | None" = None  # penalties.py
     filters: "Filters | None" = None  # top-k, top-p, min-p: filters.py
     seeds: "SeededRows | None" = None  # the seeded sampled rows: seeded.py
+    grammar: "GrammarMask | None" = None  # structured outputs' token bitmask: structured/
 
 
 class SamplingMetadataBuilder:
     """Builds each step's SamplingMetadata on rank 0. It keeps, across steps, what penalties
-    count (penalties.py's TokenCounts, made once a request asks for a penalty)."""
+    count (penalties.py's TokenCounts) and grammars' matchers (structured/), made once asked."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.token_counts: TokenCounts | None = None
+        self.grammars: GrammarMatchers | None = None  # set by structured.prepare(), if asked
 
     def build(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The per-row tensors of a batch, on the device; features no row uses stay None.
@@ -64,6 +67,8 @@ class SamplingMetadataBuilder:
             from nanovllm.sampling.penalties import build_penalties
 
             m.penalties = build_penalties(seqs, self)
+        if any(p.structured_outputs is not None for p in params):
+            m.grammar = self.grammars.build(seqs)
         if not m.all_greedy:
             if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
                 from nanovllm.sampling.filters import build_filters

@@ -1,12 +1,12 @@
 """One token id per row of logits, every row with its own settings (vLLM's), in one pass:
 
-    logit bias (min_tokens: stop ids -inf) -> penalties -> [greedy rows: argmax]
-                                           -> temperature -> top-k -> top-p -> min-p -> sample
+    logit bias (min_tokens: stop ids -inf) -> penalties -> grammar -> [greedy rows: argmax]
+                                                       -> temperature -> top-k/p, min-p -> sample
 
 What a request may ask beyond a temperature is in a module of its own, imported only when a
-batch asks: bias.py (logit_bias, min_tokens), penalties.py, filters.py (top-k/p, min-p),
-seeded.py (seeds). The draw is sampling/ops.py's: the exponential race, or on a CPU the
-inverse CDF."""
+batch asks: bias.py (logit_bias, min_tokens), penalties.py, structured/ (grammars), filters.py
+(top-k/p, min-p), seeded.py (seeds). The draw is sampling/ops.py's: the exponential race, or on
+a CPU the inverse CDF."""
 
 from typing import NamedTuple
 
@@ -39,6 +39,8 @@ class Sampler(nn.Module):
             logits[rows, ids] += values
         if m.penalties is not None:
             m.penalties.apply(logits)
+        if m.grammar is not None:  # structured outputs: -inf where a row's grammar forbids
+            m.grammar.apply(logits)
         greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
         if m.all_greedy:
             return greedy_ids
