@@ -109,8 +109,8 @@ def linear(
     y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (+ bias[n]), summed in float32."""
     _check(x, packed, scale, out_features, bias)
     k = packed.shape[1]
-    rows = x.reshape(math.prod(x.shape[:-1]), k).contiguous()
-    out = rows.new_empty(rows.shape[0], out_features)
+    rows = (x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), k)).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     if bias is not None:
         bias = bias.float().contiguous()
     library.nanovllm_int8_linear(
@@ -125,7 +125,7 @@ def linear(
         k,
         torch.get_num_threads(),
     )
-    return out.view(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 def _check(x, packed, scale, out_features, bias) -> None:

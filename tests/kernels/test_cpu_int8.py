@@ -85,7 +85,7 @@ def test_the_avx2_and_generic_builds_are_the_product_too(library, flag, width, d
     if library.nanovllm_int8_vector_width() < width:
         pytest.skip(f"this CPU's own build already has {width}-float vectors or fewer")
     assert other.nanovllm_int8_vector_width() == width
-    for rows in (1, 5, 6, 7, 12, 13, 64):
+    for rows in (1, 5, 6, 7, 12, 13, 64, 257):
         check_shapes(other, dtype, rows)
 
 
@@ -132,6 +132,17 @@ def test_one_and_two_threads_give_the_same_bits(library, dtype, rows, n, k):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("rows", (13, 29, 43))
+def test_rows_in_several_chunks(library, rows):
+    """At K = 3000 a chunk of rows (whose packed x stays in L2) is one tile: 14 rows (AVX-512)
+    or 6 (AVX2), so these are several chunks, the last one short."""
+    qweight, scale, packed, bias = int8_layer(100, 3000)
+    x = randn(rows, 3000)
+    assert_close_to_exact(
+        cpu_int8.linear(library, x, packed, scale, 100, bias), x, qweight, scale, bias
+    )
 
 
 def test_x_is_taken_in_any_layout_and_leading_shape(library):
