@@ -1,8 +1,10 @@
 """Int8 weight-only linear on a CPU (W8A16): symmetric per-output-channel int8 weights, float32
 or bfloat16 activations left as they are, y = x q^T * scale (+ bias) summed in float32
 (cpu_int8.cpp). Each weight is read as one byte and widened in registers, once for a tile of
-rows of x: nothing of the float weight is written back to memory. Built at first use and loaded
-with ctypes (kernels/cpu_build.py); `load()` is None, with one warning, where it cannot be.
+rows of x: nothing of the float weight is written back to memory (where the CPU has AMX, from
+6 rows of bfloat16 x or 12 of float32 on, a slice of a panel at a time is widened to bfloat16
+tiles in L1, x split exactly into bfloat16 parts). Built at first use and loaded with ctypes
+(kernels/cpu_build.py); `load()` is None, with one warning, where it cannot be.
 
     qweight, scale = quantize(weight)          # [N, K] int8, [N] float32
     packed = pack(qweight)                     # [ceil(N / 64), K, 64] int8: the kernel's panels
@@ -60,6 +62,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             _INT,
         )
         library.nanovllm_int8_linear.restype = None
+        library.nanovllm_int8_amx_rows.argtypes = (_INT,)
         assert library.nanovllm_int8_block() == BLOCK, "cpu_int8.cpp's BLOCK changed"
     return library
 

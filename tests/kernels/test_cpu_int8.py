@@ -40,7 +40,7 @@ def int8_layer(n: int, k: int, seed: int = 1, bias: bool = True):
     return qweight, scale, cpu_int8.pack(qweight), randn(n, seed=seed + 1) if bias else None
 
 
-def assert_close_to_exact(y, x, qweight, scale, bias) -> None:
+def assert_close_to_exact(library, y, x, qweight, scale, bias) -> None:
     """y within float32 accumulation's bound of the float64 product (see the module's doc)."""
     k = qweight.shape[1]
     weight = cpu_int8.dequantize(qweight, scale).double()
@@ -49,6 +49,8 @@ def assert_close_to_exact(y, x, qweight, scale, bias) -> None:
     if bias is not None:
         exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
     bound = (k + 2) * U * magnitude
+    if x.dtype == torch.float32 and 0 < library.nanovllm_int8_amx_rows(0) <= len(x):
+        bound = (3 * k + 2) * U * (1 + 2**-6) * magnitude  # x in three parts (AMX)
     if y.dtype == torch.bfloat16:
         bound = bound + 2.0**-8 * (exact.abs() + bound)
     error = (y.double() - exact).abs()
@@ -67,7 +69,7 @@ def check_shapes(library, dtype, rows) -> None:
             x = randn(rows, k, seed=rows, dtype=dtype)
             y = cpu_int8.linear(library, x, packed, scale, n, bias)
             assert y.dtype == dtype and y.shape == (rows, n)
-            assert_close_to_exact(y, x, qweight, scale, bias)
+            assert_close_to_exact(library, y, x, qweight, scale, bias)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -76,16 +78,21 @@ def test_linear_is_the_product_with_the_dequantized_weight(library, dtype, rows)
     check_shapes(library, dtype, rows)
 
 
-@pytest.mark.parametrize("flag,width", [("-mno-avx512f", 8), ("-mno-avx", 4)])
+@pytest.mark.parametrize(
+    "flag,width", [("-mno-amx-tile", 16), ("-mno-avx512f", 8), ("-mno-avx", 4)]
+)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.skipif(not X86, reason="x86 flags")
-def test_the_avx2_and_generic_builds_are_the_product_too(library, flag, width, dtype):
-    """The paths of CPUs without AVX-512 (or without AVX2), built for this one."""
-    other = native_library(lambda: cpu_int8.load((flag,)))
+def test_the_fma_avx2_and_generic_builds_are_the_product_too(library, flag, width, dtype):
+    """Built for this CPU without AMX (the AVX-512 FMA tiles at every row count), without
+    AVX-512 (AVX2) or without AVX (generic vectors): the paths of other CPUs."""
     if library.nanovllm_int8_vector_width() < width:
         pytest.skip(f"this CPU's own build already has {width}-float vectors or fewer")
-    assert other.nanovllm_int8_vector_width() == width
-    for rows in (1, 5, 6, 7, 12, 13, 64, 257):
+    if width == 16 and library.nanovllm_int8_amx_rows(0) == 0:
+        pytest.skip("this CPU's own build already runs without AMX")
+    other = native_library(lambda: cpu_int8.load((flag,)))
+    assert other.nanovllm_int8_vector_width() == width and other.nanovllm_int8_amx_rows(0) == 0
+    for rows in (1, 5, 6, 7, 12, 13, 14, 15, 64, 257):
         check_shapes(other, dtype, rows)
 
 
@@ -134,14 +141,15 @@ def test_one_and_two_threads_give_the_same_bits(library, dtype, rows, n, k):
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("rows", (13, 29, 43))
+@pytest.mark.parametrize("rows", (13, 29, 43, 64))
 def test_rows_in_several_chunks(library, rows):
     """At K = 3000 a chunk of rows (whose packed x stays in L2) is one tile: 14 rows (AVX-512)
-    or 6 (AVX2), so these are several chunks, the last one short."""
+    or 6 (AVX2), or 3 blocks of 16 (AMX, float32), so these are several chunks, the last one
+    short."""
     qweight, scale, packed, bias = int8_layer(100, 3000)
     x = randn(rows, 3000)
     assert_close_to_exact(
-        cpu_int8.linear(library, x, packed, scale, 100, bias), x, qweight, scale, bias
+        library, cpu_int8.linear(library, x, packed, scale, 100, bias), x, qweight, scale, bias
     )
 
 
@@ -152,7 +160,7 @@ def test_x_is_taken_in_any_layout_and_leading_shape(library):
         assert not x.is_contiguous() or x.dim() == 3
         y = cpu_int8.linear(library, x, packed, scale, 65, bias)
         assert y.shape == (*x.shape[:-1], 65)
-        assert_close_to_exact(y.reshape(-1, 65), x.reshape(-1, 40), qweight, scale, bias)
+        assert_close_to_exact(library, y.reshape(-1, 65), x.reshape(-1, 40), qweight, scale, bias)
 
 
 def test_no_rows_and_no_inputs(library):
