@@ -203,9 +203,11 @@ def main() -> None:
     library = cpu_int8.load(tuple(args.flags))
     assert library is not None, "the int8 kernel did not build"
     dtype = getattr(torch, args.dtype)
+    amx = library.nanovllm_int8_amx_rows(dtype == torch.bfloat16)
     print(
-        f"{cpu_name()}, {os.cpu_count()} CPUs, int8 kernel vectors of "
-        f"{library.nanovllm_int8_vector_width()} floats, x {args.dtype}, {load()}"
+        f"{cpu_name()}, {os.cpu_count()} CPUs, int8 kernel: vectors of "
+        f"{library.nanovllm_int8_vector_width()} floats, "
+        f"{f'AMX from {amx} rows' if amx else 'no AMX'}; x {args.dtype}, {load()}"
     )
     with torch.inference_mode():
         if args.cold:

@@ -245,7 +245,7 @@ void gemm(const Problem& p, const T* x, T* y, int num_threads) {
     }
     for (int64_t first = 0; first < row_tiles; first += chunk) {
       const int64_t tiles = std::min(chunk, row_tiles - first);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait  // chunks write their own rows
       for (int64_t job = 0; job < panels * tiles; ++job) {
         const int64_t panel = job / tiles, m0 = (first + job % tiles) * MR;
         const int rows = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
@@ -445,7 +445,7 @@ void amx_gemm(const Problem& p, const T* x, T* y, int num_threads) {
                            AMX_ROWS, parts + b * AMX_ROWS * k_pad, part_size);
     for (int64_t first = 0; first < blocks; first += chunk) {
       const int64_t count = std::min(chunk, blocks - first);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait  // chunks write their own rows
       for (int64_t panel = 0; panel < panels; ++panel) {
         for (int64_t t = 0; t < k_tiles; t += SLICE) {  // B tiles of a slice of K, in L1
           const int64_t n = std::min<int64_t>(SLICE, k_tiles - t);
