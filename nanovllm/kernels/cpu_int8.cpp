@@ -210,14 +210,17 @@ void pack_rows(const T* x, int64_t K, int64_t m0, int rows, float* out) {
     for (int m = 0; m < rows; ++m) out[k * rows + m] = widen(x[(m0 + m) * K + k]);
 }
 
-// The packed x of the calling thread, kept between calls (no allocation a call).
-thread_local std::vector<float> packed_x;
-
 // The packed x of a chunk of row tiles, at most (one tile at least): it is read once for each
 // panel, so it must stay in L2 (a 0.6B down_proj, [2048, 3072] x [1024, 3072]^T, 1 thread,
 // AVX-512: 96 GFLOP/s with x whole (25 MB), 140-145 in chunks of 128 KB to 1 MB; Zen 2/3 have
-// 512 KB of L2).
+// 512 KB of L2). x is packed a chunk at a time, into two buffers by turns: the threads pack
+// chunk c + 1 while the last of them may still read chunk c, and the barrier after a packing
+// means that chunk c - 1's buffer is free by then; so a call's packed x is two chunks at most,
+// whatever its rows (a prefill's too), and one barrier a chunk.
 constexpr int64_t X_CHUNK_BYTES = 256 * 1024;
+
+// The calling thread's buffers of packed x, kept between calls (no allocation a call).
+thread_local std::vector<float> packed_x;
 
 // Below this many multiply-adds a call runs on its own thread: a fork/join costs more.
 constexpr int64_t GRAIN = int64_t{1} << 16;
@@ -226,37 +229,35 @@ template <typename T, int NV, int MR>
 void gemm(const Problem& p, const T* x, T* y, int num_threads) {
   static constexpr auto tiles_of = tile_table<T, NV>(std::make_integer_sequence<int, MR>{});
   const int64_t row_tiles = (p.M + MR - 1) / MR, panels = (p.N + BLOCK - 1) / BLOCK;
-  const bool packs = !(std::is_same_v<T, float> && p.M == 1);
-  std::vector<float>& buffer = packed_x;
-  if (packs && buffer.size() < static_cast<size_t>(p.M * p.K)) buffer.resize(p.M * p.K);
-  const float* xp = packs ? buffer.data() : reinterpret_cast<const float*>(x);
-  float* out = buffer.data();
-  const bool parallel = p.M * p.N * p.K >= GRAIN && num_threads > 1;
-  // Row tiles a chunk: its packed x (chunk * MR * K floats) stays in L2 while the panels go by.
   const int64_t chunk = std::max<int64_t>(1, X_CHUNK_BYTES / (4 * MR * std::max<int64_t>(p.K, 1)));
-#pragma omp parallel if (parallel) num_threads(num_threads)
-  {
+  const int64_t chunk_floats = std::min(chunk, row_tiles) * MR * p.K;
+  const bool packs = !(std::is_same_v<T, float> && p.M == 1);  // a lone float32 row is [K][1]
+  if (packs && packed_x.size() < static_cast<size_t>(2 * chunk_floats))
+    packed_x.resize(2 * chunk_floats);
+  float* buffers = packed_x.data();
+#pragma omp parallel if (p.M * p.N * p.K >= GRAIN && num_threads > 1) num_threads(num_threads)
+  for (int64_t first = 0; first < row_tiles; first += chunk) {
+    const int64_t tiles = std::min(chunk, row_tiles - first);
+    const float* xp = reinterpret_cast<const float*>(x);  // the chunk's [tiles][K][MR]
     if (packs) {
+      float* out = buffers + (first / chunk % 2) * chunk_floats;
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < row_tiles; ++t) {
-        const int64_t m0 = t * MR;
-        pack_rows(x, p.K, m0, static_cast<int>(std::min<int64_t>(MR, p.M - m0)), out + m0 * p.K);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = (first + t) * MR;
+        pack_rows(x, p.K, m0, static_cast<int>(std::min<int64_t>(MR, p.M - m0)), out + t * MR * p.K);
       }
+      xp = out;
     }
-    for (int64_t first = 0; first < row_tiles; first += chunk) {
-      const int64_t tiles = std::min(chunk, row_tiles - first);
-#pragma omp for schedule(static) nowait  // chunks write their own rows
-      for (int64_t job = 0; job < panels * tiles; ++job) {
-        const int64_t panel = job / tiles, m0 = (first + job % tiles) * MR;
-        const int rows = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
-        const int8_t* w = p.packed + panel * p.K * BLOCK;
-        for (int c = 0; c < BLOCK && panel * BLOCK + c < p.N; c += NV * W)
-          tiles_of[rows - 1](p, w + c, xp + m0 * p.K, panel * BLOCK + c, y + m0 * p.N);
-      }
+#pragma omp for schedule(static) nowait  // a chunk writes its own rows of y
+    for (int64_t job = 0; job < panels * tiles; ++job) {
+      const int64_t panel = job / tiles, t = job % tiles, m0 = (first + t) * MR;
+      const int rows = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
+      const int8_t* w = p.packed + panel * p.K * BLOCK;
+      for (int c = 0; c < BLOCK && panel * BLOCK + c < p.N; c += NV * W)
+        tiles_of[rows - 1](p, w + c, xp + t * MR * p.K, panel * BLOCK + c, y + m0 * p.N);
     }
   }
 }
-
 
 #if NANOVLLM_AMX
 // ---- AMX: the weights widened to bfloat16 tiles, x split into bfloat16 parts -------------------
@@ -426,43 +427,48 @@ thread_local std::vector<float, AlignedAllocator<float>> c_sums;
 template <typename T, int PARTS>
 void amx_gemm(const Problem& p, const T* x, T* y, int num_threads) {
   const int64_t k_tiles = (p.K + AMX_K - 1) / AMX_K, k_pad = k_tiles * AMX_K;
-  const int64_t blocks = (p.M + AMX_ROWS - 1) / AMX_ROWS, part_size = blocks * AMX_ROWS * k_pad;
-  const int64_t panels = (p.N + BLOCK - 1) / BLOCK;
+  const int64_t blocks = (p.M + AMX_ROWS - 1) / AMX_ROWS, panels = (p.N + BLOCK - 1) / BLOCK;
+  // Blocks a chunk; its parts [PARTS][blocks of the chunk][16][k_pad], in two buffers by turns
+  // (as the FMA path's packed x).
   const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / (2 * PARTS * AMX_ROWS * k_pad));
-  if (x_parts.size() < static_cast<size_t>(PARTS * part_size)) x_parts.resize(PARTS * part_size);
-  bf16* parts = x_parts.data();
+  const int64_t part_size = std::min(chunk, blocks) * AMX_ROWS * k_pad;
+  if (x_parts.size() < static_cast<size_t>(2 * PARTS * part_size))
+    x_parts.resize(2 * PARTS * part_size);
+  bf16* buffers = x_parts.data();
 #pragma omp parallel if (p.M * p.N * p.K >= GRAIN && num_threads > 1) num_threads(num_threads)
   {
     configure_tiles();
-    if (b_tiles.size() < static_cast<size_t>(SLICE * 4 * AMX_TILE)) b_tiles.resize(SLICE * 4 * AMX_TILE);
-    const size_t c_size = std::min(chunk, blocks) * AMX_ROWS * BLOCK;
-    if (c_sums.size() < c_size) c_sums.resize(c_size);
+    if (b_tiles.size() < static_cast<size_t>(SLICE * 4 * AMX_TILE))
+      b_tiles.resize(SLICE * 4 * AMX_TILE);
+    if (c_sums.size() < static_cast<size_t>(part_size / k_pad * BLOCK))
+      c_sums.resize(part_size / k_pad * BLOCK);
     bf16* tiles = b_tiles.data();
-    float* c = c_sums.data();
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b)
-      split_rows<T, PARTS>(x, p.K, k_pad, b * AMX_ROWS, std::min<int64_t>(AMX_ROWS, p.M - b * AMX_ROWS),
-                           AMX_ROWS, parts + b * AMX_ROWS * k_pad, part_size);
+    float* c = c_sums.data();  // [blocks of the chunk][16][64] sums between slices
     for (int64_t first = 0; first < blocks; first += chunk) {
       const int64_t count = std::min(chunk, blocks - first);
-#pragma omp for schedule(static) nowait  // chunks write their own rows
+      bf16* parts = buffers + (first / chunk % 2) * PARTS * part_size;
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < count; ++b) {
+        const int64_t m0 = (first + b) * AMX_ROWS;
+        split_rows<T, PARTS>(x, p.K, k_pad, m0, std::min<int64_t>(AMX_ROWS, p.M - m0), AMX_ROWS,
+                             parts + b * AMX_ROWS * k_pad, part_size);
+      }
+#pragma omp for schedule(static) nowait  // a chunk writes its own rows of y
       for (int64_t panel = 0; panel < panels; ++panel) {
         for (int64_t t = 0; t < k_tiles; t += SLICE) {  // B tiles of a slice of K, in L1
           const int64_t n = std::min<int64_t>(SLICE, k_tiles - t);
           widen_panel(p.packed + panel * p.K * BLOCK, p.K, t, n, tiles);
           for (int64_t b = 0; b < count; ++b) {
-            float* sums = c + b * AMX_ROWS * BLOCK;
             if (t == 0) {
               _tile_zero(0);
               _tile_zero(1);
               _tile_zero(2);
               _tile_zero(3);
             } else {
-              load_c(sums);
+              load_c(c + b * AMX_ROWS * BLOCK);
             }
-            amx_block<PARTS>(parts + (first + b) * AMX_ROWS * k_pad + t * AMX_K, part_size, k_pad,
-                             tiles, n);
-            store_c(sums);
+            amx_block<PARTS>(parts + b * AMX_ROWS * k_pad + t * AMX_K, part_size, k_pad, tiles, n);
+            store_c(c + b * AMX_ROWS * BLOCK);
           }
         }
         for (int64_t b = 0; b < count; ++b) {

@@ -94,6 +94,8 @@ def test_the_fma_avx2_and_generic_builds_are_the_product_too(library, flag, widt
     assert other.nanovllm_int8_vector_width() == width and other.nanovllm_int8_amx_rows(0) == 0
     for rows in (1, 5, 6, 7, 12, 13, 14, 15, 64, 257):
         check_shapes(other, dtype, rows)
+    for rows in (13, 43):
+        check_chunks(other, dtype, rows)
 
 
 def test_bfloat16_output_is_the_float32_one_rounded_to_nearest_even(library):
@@ -124,7 +126,9 @@ def test_bfloat16_output_ties_go_to_even(library):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("rows,n,k", [(1, 1000, 300), (3, 700, 400), (64, 257, 300)])
+@pytest.mark.parametrize(
+    "rows,n,k", [(1, 1000, 300), (3, 700, 400), (64, 257, 300), (400, 100, 3000)]
+)
 def test_one_and_two_threads_give_the_same_bits(library, dtype, rows, n, k):
     """Large enough to be spread over the threads; each output is one thread's sum in the
     same order either way."""
@@ -141,16 +145,20 @@ def test_one_and_two_threads_give_the_same_bits(library, dtype, rows, n, k):
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("rows", (13, 29, 43, 64))
-def test_rows_in_several_chunks(library, rows):
-    """At K = 3000 a chunk of rows (whose packed x stays in L2) is one tile: 14 rows (AVX-512)
-    or 6 (AVX2), or 3 blocks of 16 (AMX, float32), so these are several chunks, the last one
-    short."""
+def check_chunks(library, dtype, rows) -> None:
+    """K = 3000: a chunk of rows (whose packed x stays in L2) is one tile, 14 rows (AVX-512) or
+    6 (AVX2); with AMX 3 blocks of 16 rows (float32 x) or 10 (bfloat16)."""
     qweight, scale, packed, bias = int8_layer(100, 3000)
-    x = randn(rows, 3000)
-    assert_close_to_exact(
-        library, cpu_int8.linear(library, x, packed, scale, 100, bias), x, qweight, scale, bias
-    )
+    x = randn(rows, 3000, dtype=dtype)
+    y = cpu_int8.linear(library, x, packed, scale, 100, bias)
+    assert_close_to_exact(library, y, x, qweight, scale, bias)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rows", (13, 29, 43, 160, 400))
+def test_rows_in_several_chunks(library, dtype, rows):
+    """Several chunks, packed into two buffers by turns, the last one short."""
+    check_chunks(library, dtype, rows)
 
 
 def test_x_is_taken_in_any_layout_and_leading_shape(library):
