@@ -20,9 +20,9 @@
 //     rows as M, so that at M = 1 the FMA chains are 64 / W long and a whole line is used;
 //   - more rows: a narrow, tall tile (NV * MR FMAs against 2 * NV conversions), rows in tiles
 //     of MR, the last tile shorter (each row count is its own instantiation).
-// Before the tiles, x is packed (and widened from bfloat16) per tile of MR rows into
-// [K][MR] float32: a tile's broadcasts are one contiguous stream (x is read M * N / 64 /
-// NV_tiles times, the packing once). A lone float32 row is used as it is.
+// Before its tiles run, a chunk of x's rows is packed (and widened from bfloat16) per tile of
+// MR rows into [K][MR] float32: a tile's broadcasts are one contiguous stream (x is read
+// N / (NV * W) times, the packing once). A lone float32 row is used as it is.
 //
 // Work items are (panel, row tile) pairs, panel-major, spread statically over the threads
 // from GRAIN multiply-adds on: a thread keeps a panel in its L2 for all its row tiles; the
@@ -61,7 +61,7 @@ constexpr int BLOCK = 64;  // channels a panel: a cache line of int8 weights eac
 
 #if defined(__AVX512F__)
 constexpr int W = 16;
-constexpr int WIDE_NV = 4, WIDE_MR = 6;  // 64 channels (4 vectors) x 6 rows: 24 accumulators + 4 weights
+constexpr int WIDE_NV = 4, WIDE_MR = 6;  // 64 channels (4 vectors) x 6 rows: 24 + 4 of 32 registers
 constexpr int TALL_NV = 2, TALL_MR = 14;  // 32 channels x 14 rows: 28 + 2 of 32 registers
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int W = 8;
@@ -82,11 +82,11 @@ using u16vec = uint16_t __attribute__((vector_size(W * sizeof(uint16_t))));
 // W int8 weights at p, as float32.
 ALWAYS_INLINE vec widen_weights(const int8_t* p) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<vec>(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
 #elif defined(__AVX2__) && defined(__FMA__)
-  return reinterpret_cast<vec>(
-      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
 #else  // through int32: GCC converts int8 to float one element at a time
   i8vec q;
   std::memcpy(&q, p, sizeof q);
@@ -140,7 +140,9 @@ struct AlignedAllocator {
   AlignedAllocator() = default;
   template <typename U>
   AlignedAllocator(const AlignedAllocator<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
   void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
   bool operator==(const AlignedAllocator&) const { return true; }
   bool operator!=(const AlignedAllocator&) const { return false; }
@@ -244,7 +246,8 @@ void gemm(const Problem& p, const T* x, T* y, int num_threads) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = (first + t) * MR;
-        pack_rows(x, p.K, m0, static_cast<int>(std::min<int64_t>(MR, p.M - m0)), out + t * MR * p.K);
+        const int rows = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
+        pack_rows(x, p.K, m0, rows, out + t * MR * p.K);
       }
       xp = out;
     }
@@ -268,11 +271,12 @@ void gemm(const Problem& p, const T* x, T* y, int num_threads) {
 // three, hi + mid + lo == x exactly (each rounded off the rest: 8 + 8 + 8 of its 24 bits), and
 // the three parts' products go into the same C (3 K float32 additions, not K).
 //
-// x's parts are written once, [parts][rows padded to 16][K padded to 32]. For a chunk of row
-// blocks (16 rows each) whose parts stay in L2, each panel in turn is widened into B tiles a
-// slice of K at a time (a thread's scratch, [8 k tiles][4][16 x 32] bfloat16: 32 KB, in L1),
-// and every block of the chunk runs over the slice: C tiles 0-3 hold the block's 16 x 64 sums,
-// kept in a thread's scratch between slices. Each widened weight serves the chunk's rows.
+// x's parts are written a chunk of row blocks (16 rows each) at a time, [parts][rows padded
+// to 16][K padded to 32], into two buffers by turns (as the FMA path's packed x); a chunk's
+// parts stay in L2. For a chunk, each panel in turn is widened into B tiles a slice of K at a
+// time (a thread's scratch, [8 k tiles][4][16 x 32] bfloat16: 32 KB, in L1), and every block
+// of the chunk runs over the slice: C tiles 0-3 hold the block's 16 x 64 sums, kept in a
+// thread's scratch between slices. Each widened weight serves the chunk's rows.
 // Measured against the FMA tiles, 1 thread, 0.6B's layers: bfloat16 x 2.1-2.4x faster at 16
 // rows, 3.8-5.5x at 64-256; float32 x 1.3-2.0x at 16, 2.0-2.8x at 64-256.
 
@@ -327,22 +331,16 @@ void split_rows(const T* x, int64_t K, int64_t k_pad, int64_t m0, int64_t rows, 
 // bfloat16(q) is the top half of float32(q): q has at most 8 significant bits.
 void widen_panel(const int8_t* panel, int64_t K, int64_t first_tile, int64_t k_tiles,
                  bf16* tiles) {
-  const __m512i zero = _mm512_setzero_si512();
+  auto bits = [&](int64_t k, int j) {  // float32(q) of k's channels 16 j .., as integers
+    return k < K ? _mm512_castps_si512(widen_weights(panel + k * BLOCK + 16 * j))
+                 : _mm512_setzero_si512();
+  };
   for (int64_t t = 0; t < k_tiles; ++t)
     for (int i = 0; i < AMX_ROWS; ++i) {
       const int64_t k = (first_tile + t) * AMX_K + 2 * i;
-      for (int j = 0; j < 4; ++j) {
-        const __m512i even = k < K ? _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                                             panel + k * BLOCK + 16 * j)))))
-                                   : zero;
-        const __m512i odd = k + 1 < K ? _mm512_castps_si512(_mm512_cvtepi32_ps(
-                                            _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                                reinterpret_cast<const __m128i*>(
-                                                    panel + (k + 1) * BLOCK + 16 * j)))))
-                                      : zero;
-        // each 32-bit lane: odd's top half over even's top half
-        const __m512i pairs = _mm512_mask_blend_epi16(0x55555555, odd, _mm512_srli_epi32(even, 16));
+      for (int j = 0; j < 4; ++j) {  // each 32-bit lane: k + 1's top half over k's
+        const __m512i pairs =
+            _mm512_mask_blend_epi16(0x55555555, bits(k + 1, j), _mm512_srli_epi32(bits(k, j), 16));
         _mm512_store_si512(tiles + ((t * 4 + j) * AMX_ROWS + i) * AMX_K, pairs);
       }
     }
