@@ -131,5 +131,24 @@ def test_the_float_weights_are_freed_but_a_tied_embedding_kept(checkpoints):
         model = llm.model_runner.model
         layers = [m for m in model.modules() if hasattr(m, "packed") and m.packed is not None]
         assert layers and all(m.packed.qweight.dtype == torch.int8 for m in layers)
+        assert all(m.packed.library is not None for m in layers)  # the C++ kernel, not a copy
         assert model.model.embed_tokens.weight.numel() > 0  # the embedding reads float rows
         assert all(m.weight.numel() == 0 for m in layers if m is not model.lm_head)
+
+
+def test_a_long_prefill_takes_the_dequantized_copy_and_agrees_with_the_kernel(monkeypatch):
+    from nanovllm.kernels import cpu_int8
+    from nanovllm.layers.quantization import Int8Weight
+
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(130, 70, generator=g), torch.randn(40, 70, generator=g)
+    layer = Int8Weight(weight)
+    qweight, scale = cpu_int8.quantize(weight)
+    assert torch.equal(layer.dense_qweight(), qweight)  # the panels hold the same int8 weight
+    by_kernel = layer.linear(x, None)
+    layer.max_rows = 8  # 40 rows: past it
+    by_copy = layer.linear(x, None)
+    reference = x.double() @ cpu_int8.dequantize(qweight, scale).double().T
+    bound = 1e-5 * (x.abs() @ weight.abs().T).double()  # float32 sums of 70 terms
+    assert ((by_kernel - reference).abs() <= bound).all()
+    assert ((by_copy - reference).abs() <= bound).all()

@@ -23,9 +23,11 @@ from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.layers.linear import LinearBase, ReplicatedLinear
 
 QUANTIZATIONS = ("int8",)
-# Above this many rows (a prefill chunk) a dequantized float copy and F.linear beat the int8
-# kernel, which reuses each dequantized weight tile over at most a few rows at a time.
-KERNEL_MAX_ROWS = 64
+# Rows (a prefill chunk) above which a dequantized float copy and F.linear beat the int8 kernel,
+# by the kernel's vector width (benchmarks/cpu_int8.py, 1 thread, float32, Intel Xeon): with
+# 16-float vectors (AVX-512, AMX or not) the kernel won to about 2,048 rows on Qwen3-0.6B's
+# layers; with 8 (AVX2, emulated there) to about 128-256.
+KERNEL_MAX_ROWS = {16: 2048, 8: 128}
 
 
 class Int8Weight:
@@ -33,17 +35,27 @@ class Int8Weight:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.qweight, self.scale = cpu_int8.quantize(weight)
+        qweight, self.scale = cpu_int8.quantize(weight)
         self.library = cpu_int8.load()
-        self.packed = None if self.library is None else cpu_int8.pack(self.qweight)
+        if self.library is None:
+            self.qweight, self.max_rows = qweight, 0
+        else:  # only the kernel's panels are kept: one int8 copy
+            self.qweight = cpu_int8.pack(qweight)
+            self.max_rows = KERNEL_MAX_ROWS.get(self.library.nanovllm_int8_vector_width(), 128)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.library is None or rows.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float16:
-            weight = cpu_int8.dequantize(self.qweight, self.scale).to(x.dtype)
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows or x.dtype not in cpu_int8.DTYPES:
+            weight = cpu_int8.dequantize(self.dense_qweight(), self.scale).to(x.dtype)
             return F.linear(x, weight, bias)
-        out = cpu_int8.linear(self.library, rows, self.packed, self.scale, self.out_features, bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return cpu_int8.linear(self.library, x, self.qweight, self.scale, self.out_features, bias)
+
+    def dense_qweight(self) -> torch.Tensor:
+        """[N, K] int8, from the kernel's panels [ceil(N / 64), K, 64] where it has them."""
+        if self.library is None:
+            return self.qweight
+        panels = self.qweight.transpose(1, 2).reshape(-1, self.in_features)
+        return panels[: self.out_features]
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
