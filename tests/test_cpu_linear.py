@@ -1,5 +1,5 @@
 """CPU linears through oneDNN's prepacked weights: the same products as F.linear, used only
-up to PACKED_MAX_ROWS rows, and a runner that packs only when the copies fit its memory."""
+from 2 to PACKED_MAX_ROWS rows, and a runner that packs only when the copies fit its memory."""
 
 import logging
 
@@ -36,13 +36,15 @@ def test_a_packed_linear_computes_what_f_linear_does(rows, with_bias):
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_rows_above_the_limit_use_the_dense_weight():
-    """Past PACKED_MAX_ROWS the packed copy is not read: a wrong one changes nothing."""
+def test_one_row_and_rows_above_the_limit_use_the_dense_weight():
+    """At 1 row and past PACKED_MAX_ROWS the packed copy is not read: a wrong one changes
+    nothing; between them it is."""
     weight = torch.randn(8, 16)
     wrong = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16), None)
     x = torch.randn(PACKED_MAX_ROWS + 1, 16)
     assert torch.equal(linear(x, weight, None, wrong), F.linear(x, weight))
-    assert linear(x[:4], weight, None, wrong).eq(0).all()
+    assert torch.equal(linear(x[:1], weight, None, wrong), F.linear(x[:1], weight))
+    assert linear(x[:2], weight, None, wrong).eq(0).all()
 
 
 @pytest.fixture
