@@ -104,16 +104,6 @@ class Config:
 
 # -- what of a checkpoint our models run --------------------------------------------------
 
-# What tensor parallelism shards: attention heads, MLP columns (each expert's, in MoE),
-# vocabulary rows.
-SHARDED_DIMS = (
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "vocab_size",
-)
-
 
 def check_model_config(hf_config: PretrainedConfig, tp_size: int, max_model_len: int) -> None:
     """Refuse, by name and before any process is spawned or weight read, what no family here
@@ -125,22 +115,11 @@ def check_model_config(hf_config: PretrainedConfig, tp_size: int, max_model_len:
         )
     if getattr(hf_config, "quantization_config", None):
         raise ValueError("quantization_config is set: quantized checkpoints are not supported")
-    check_sharding(hf_config, tp_size)
+    if tp_size > 1:
+        from nanovllm.distributed.sharding import check_sharding
+
+        check_sharding(hf_config, tp_size)
     check_full_attention(hf_config, max_model_len)
-
-
-def check_sharding(hf_config: PretrainedConfig, tp_size: int) -> None:
-    """Every sharded dimension splits evenly over tp_size ranks."""
-    dims = {name: getattr(hf_config, name, None) for name in SHARDED_DIMS}
-    dims = {name: value for name, value in dims.items() if isinstance(value, int)}
-    for name, value in dims.items():
-        if value % tp_size:
-            fitting = [n for n in range(1, 9) if all(v % n == 0 for v in dims.values())]
-            raise ValueError(
-                f"tensor_parallel_size={tp_size} does not divide the model's "
-                f"{name} ({value}); this model can use tensor_parallel_size "
-                f"{', '.join(map(str, fitting))}"
-            )
 
 
 def check_full_attention(hf_config: PretrainedConfig, max_model_len: int) -> None:

@@ -13,17 +13,21 @@ from nanovllm.runner.cpu_threads import cgroup_cpu_quota, choose_num_threads, ph
 
 
 def test_omp_num_threads_wins_then_the_config():
-    assert choose_num_threads(3, {"OMP_NUM_THREADS": "5"}, 8, 1.0).num_threads == 5
-    assert choose_num_threads(3, {}, 8, 1.0).num_threads == 3
+    assert choose_num_threads(3, {"OMP_NUM_THREADS": "5"}, 8, 1.0)[::2] == (5, False)
+    assert choose_num_threads(3, {}, 8, 1.0)[::2] == (3, False)  # given, not chosen
     assert choose_num_threads(0, {"OMP_NUM_THREADS": ""}, 8, None).num_threads == 8
 
 
 def test_a_quota_below_the_affinity_mask_rounds_down_to_at_least_one():
-    assert choose_num_threads(0, {}, 64, 1.5) == (1, "the cgroup's CPU quota is 1.5 CPUs")
+    assert choose_num_threads(0, {}, 64, 1.5) == (1, "the cgroup's CPU quota is 1.5 CPUs", True)
     assert choose_num_threads(0, {}, 64, 2.0).num_threads == 2
     assert choose_num_threads(0, {}, 64, 0.25).num_threads == 1
     assert choose_num_threads(0, {}, 2, 8.0).num_threads == 2  # the mask is tighter
-    assert choose_num_threads(0, {}, 2, None) == (2, "2 cores in this process's affinity mask")
+    assert choose_num_threads(0, {}, 2, None) == (
+        2,
+        "2 cores in this process's affinity mask",
+        True,
+    )
 
 
 def test_tensor_parallel_ranks_on_one_machine_share_the_cpus():

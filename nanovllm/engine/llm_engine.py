@@ -201,12 +201,10 @@ class LLMEngine:
         """A step's tokens (and logprobs) into its sequences, but those that ended while it
         ran; the scheduler decides which finish. Returns the sequences that took a token."""
         tokens = out.token_ids if isinstance(out.token_ids, list) else out.token_ids.tolist()
-        for seq, entry in zip(seqs, out.logprobs or ()):
-            if entry is not None and not seq.is_finished:
-                seq.logprobs.append(entry)
-        for seq, entries in zip(seqs, out.prompt_logprobs or ()):
-            if entries and not seq.is_finished:
-                seq.prompt_logprobs.extend(entries)
+        if out.logprobs is not None or out.prompt_logprobs is not None:
+            from nanovllm.sampling.logprobs import record_logprobs
+
+            record_logprobs(seqs, out)
         return self.scheduler.accept(seqs, tokens)
 
     def step_output(

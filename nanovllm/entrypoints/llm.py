@@ -97,23 +97,11 @@ class LLM(LLMEngine):
     ) -> list[RequestOutput]:
         """generate() on one conversation or a list, rendered with the chat template and
         tokenized without adding special tokens (the rendered text has its own)."""
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError(
-                "messages must be a conversation (a list of {'role', 'content'} "
-                "dicts) or a list of conversations"
-            )
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
-            )
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        from nanovllm.entrypoints.chat import render_conversations
+
+        prompts = render_conversations(
+            self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs
+        )
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:

@@ -6,11 +6,23 @@ whose barriers wait on descheduled ones):
     Config.cpu_threads > 0   as asked
     else                     the physical cores of the affinity mask, at most the cgroup's CPU
                              quota (rounded down), shared by the engine's ranks here; at least 1
+
+and fewer while the CPU is shared with other work. torch's threads meet at a barrier in every op;
+when another process takes a core, the others spin there waiting for the descheduled one (on 2
+cores beside one busy process, 8% of the quiet throughput: docs/cpu.md). One thread has no
+barrier, so a chosen count (not a given one) is governed, looking every few steps:
+
+    all threads   the time they waited runnable for a CPU (Linux's schedstat) per second of
+                  wall time; above SHARED -> one thread
+    one thread    the machine's idle time (/proc/stat); at least FREE of the cores given up
+                  were idle -> all threads again
 """
 
+import contextlib
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +33,7 @@ import torch
 class ThreadChoice(NamedTuple):
     num_threads: int
     reason: str
+    chosen: bool = True  # by the rule, not given (OMP_NUM_THREADS, cpu_threads)
 
 
 def choose_num_threads(
@@ -29,9 +42,9 @@ def choose_num_threads(
     """The rule above: `cores` the process may run on, `quota` CPUs per period its cgroup
     allows (None: no limit), `ranks` the engine's processes sharing them."""
     if environ.get("OMP_NUM_THREADS", "").strip().isdigit():
-        return ThreadChoice(int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS is set")
+        return ThreadChoice(int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS is set", False)
     if configured > 0:
-        return ThreadChoice(configured, "cpu_threads as configured")
+        return ThreadChoice(configured, "cpu_threads as configured", False)
     cpus, why = cores, f"{cores} cores in this process's affinity mask"
     if quota is not None and quota < cores:
         cpus, why = math.floor(quota), f"the cgroup's CPU quota is {quota:g} CPUs"
@@ -97,8 +110,68 @@ def set_num_threads(configured: int, ranks: int = 1) -> ThreadChoice:
         torch.set_num_threads(choice.num_threads)
     if choice not in _logged:
         _logged.add(choice)
-        logging.getLogger("nanovllm").info("CPU threads: %d (%s)", *choice)
+        logging.getLogger("nanovllm").info("CPU threads: %d (%s)", *choice[:2])
     return choice
 
 
 _logged: set[ThreadChoice] = set()
+
+# -- fewer threads while the CPU is shared ----------------------------------------------------
+
+WINDOW = 8  # steps between two looks at the threads' waits, on all threads
+SHARED = 0.25  # seconds waited for a CPU per second of wall time that mean a shared machine
+PROBE = 32  # steps between two looks at the machine's idle time, on one thread
+FREE = 0.8  # the share of the given-up cores that must be idle to take them back
+
+
+class Sample(NamedTuple):
+    wall: float  # perf_counter seconds
+    waited: float  # seconds this process's threads were runnable but waiting for a CPU
+    idle: int  # the machine's idle ticks since boot, all CPUs
+    total: int  # all its ticks since boot
+
+
+class ThreadGovernor:
+    """`with governor:` around each step of a runner that chose `threads` (the top)."""
+
+    def __init__(self, threads: int, proc: Path = Path("/proc")):
+        self.threads, self.proc = threads, proc
+        self.reduced = False
+        self.steps = 0
+        self.since = self.sample()  # None where /proc cannot be read: nothing is governed
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        self.steps += 1
+        if self.since is not None and self.steps % (PROBE if self.reduced else WINDOW) == 0:
+            self.observe(self.sample())
+
+    def sample(self) -> Sample | None:
+        try:
+            waited = 0
+            for task in (self.proc / "self/task").iterdir():
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    waited += int((task / "schedstat").read_text().split()[1])  # run_delay, ns
+            ticks = [int(x) for x in (self.proc / "stat").read_text().split()[1:9]]
+        except (OSError, ValueError, IndexError):
+            return None
+        return Sample(time.perf_counter(), waited / 1e9, ticks[3] + ticks[4], sum(ticks))
+
+    def observe(self, now: Sample | None) -> None:
+        """Switch threads if the steps since the last sample say so."""
+        if now is None:
+            return
+        last, self.since = self.since, now
+        if not self.reduced and now.waited - last.waited > SHARED * (now.wall - last.wall):
+            self.set_threads(1, "the CPU is shared")
+        elif self.reduced:
+            idle = (now.idle - last.idle) / max(now.total - last.total, 1)
+            if idle >= FREE * (self.threads - 1) / (os.cpu_count() or self.threads):
+                self.set_threads(self.threads, "the CPU is free again")
+
+    def set_threads(self, threads: int, reason: str) -> None:
+        torch.set_num_threads(threads)
+        self.reduced = threads < self.threads
+        logging.getLogger("nanovllm").info("CPU threads: %d (%s)", threads, reason)

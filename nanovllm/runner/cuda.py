@@ -22,6 +22,7 @@ from nanovllm.sampling.metadata import SamplingMetadataBuilder
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanovllm.runner.cuda_graph import CUDAGraphRunner
     from nanovllm.runner.model_runner import ModelRunner
 
 
@@ -58,7 +59,7 @@ def measure_kv_cache_budget(runner: "ModelRunner") -> int:
     graph_pool = 0
     if runner.graph_runner is not None:
         bind_kv_cache(runner.attention_layers, runner.new_kv_cache(1))
-        graph_pool = runner.graph_runner.measure_pool()  # every row padding: 1 block will do
+        graph_pool = measure_graph_pool(runner.graph_runner)  # all padding: 1 block will do
         bind_kv_cache(runner.attention_layers, None)
     peak = warmup(runner)
     torch.cuda.empty_cache()
@@ -67,6 +68,21 @@ def measure_kv_cache_budget(runner: "ModelRunner") -> int:
     grown = max(0, total - free - reserved - runner.untracked_at_start)  # outside PyTorch
     profile = MemoryProfile(total, free, peak + grown, reserved + grown, graph_pool)
     return kv_cache_budget(profile, runner.config.gpu_memory_utilization)
+
+
+@torch.inference_mode()
+def measure_graph_pool(graphs: "CUDAGraphRunner") -> int:
+    """Bytes the decode graphs' pool will take, before the KV cache is sized: the largest size
+    captured on trial (every row padding: any KV cache will do), released again."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(graphs.device)
+    graphs.pool = torch.cuda.graph_pool_handle()
+    graph = graphs.capture_size(graphs.batch_sizes[-1])
+    used = torch.cuda.memory_reserved(graphs.device) - before
+    graph.reset()
+    graphs.pool = None
+    torch.cuda.empty_cache()
+    return max(0, used)
 
 
 @torch.inference_mode()

@@ -76,23 +76,10 @@ class CUDAGraphRunner:
         """Every size, largest first, once the KV cache is bound (graphs hold its address)."""
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.batch_sizes):
-            self.graphs[size] = self._capture(size)
+            self.graphs[size] = self.capture_size(size)
 
-    @torch.inference_mode()
-    def measure_pool(self) -> int:
-        """Bytes the graphs' pool will take, before the KV cache is sized: the largest size
-        captured on trial (every row padding: any KV cache will do), released again."""
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
-        self.pool = torch.cuda.graph_pool_handle()
-        graph = self._capture(self.batch_sizes[-1])
-        used = torch.cuda.memory_reserved(self.device) - before
-        graph.reset()
-        self.pool = None
-        torch.cuda.empty_cache()
-        return max(0, used)
-
-    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+    def capture_size(self, size: int) -> torch.cuda.CUDAGraph:
+        """The graph of one batch size, in the current pool."""
         graph = torch.cuda.CUDAGraph()
         with attention_context(self.metadata(size)):
             self._forward(size)  # eagerly first: Triton and torch.compile compile here

@@ -7,6 +7,7 @@ Built in order: the device and dtype, the model (on CUDA with compiled small ops
 memory measurements that size the KV cache (runner/cuda.py), the KV cache, then the decode CUDA
 graphs, which hold its address."""
 
+import contextlib
 import math
 import weakref
 
@@ -25,7 +26,7 @@ from nanovllm.models.hf_config import checkpoint_dtype
 from nanovllm.models.loader import load_model
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner import cpu
-from nanovllm.runner.cpu_threads import set_num_threads
+from nanovllm.runner.cpu_threads import ThreadGovernor, set_num_threads
 from nanovllm.runner.kv_cache import (
     bind_kv_cache,
     block_table_width,
@@ -49,6 +50,7 @@ class ModelRunner:
         which passes the `port` of rank 0's store."""
         self.config = config
         self.block_size = config.kvcache_block_size
+        self.governor = contextlib.nullcontext()  # CPU: fewer threads while shared (cpu_threads)
         self.launch = None  # torchrun's place of this process, when it started it
         if launched_by_torchrun():
             from nanovllm.distributed.launch import torchrun_launch
@@ -59,7 +61,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu.keep_freed_host_memory()
             ranks_here = config.tensor_parallel_size if self.launch is None else 1
-            set_num_threads(config.cpu_threads, ranks_here)
+            threads = set_num_threads(config.cpu_threads, ranks_here)
+            if threads.chosen and threads.num_threads > 1 and ranks_here == 1:
+                self.governor = ThreadGovernor(threads.num_threads)
         self.dtype = self._pick_dtype()
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.workers = None  # rank 0's handle on the spawned ranks 1..N-1
@@ -204,7 +208,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> SamplerOutput | None:
         """One step: rank 0's token id per sequence and the logprobs asked for (under torchrun
         on every rank: each runs its own engine in lockstep)."""
-        out = self.execute_model(seqs)
+        with self.governor:
+            out = self.execute_model(seqs)
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
         if out is not None:
             out = out._replace(token_ids=out.token_ids.tolist())

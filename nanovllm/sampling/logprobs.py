@@ -42,6 +42,17 @@ class LogprobRows(NamedTuple):
     sample_rows: list[int]  # batch rows whose sampled token wants logprobs
 
 
+def record_logprobs(seqs: list[Sequence], out: SamplerOutput) -> None:
+    """A step's logprob entries into the sequences that asked, but those that ended while it
+    ran (the engine's postprocess)."""
+    for seq, entry in zip(seqs, out.logprobs or ()):
+        if entry is not None and not seq.is_finished:
+            seq.logprobs.append(entry)
+    for seq, entries in zip(seqs, out.prompt_logprobs or ()):
+        if entries and not seq.is_finished:
+            seq.prompt_logprobs.extend(entries)
+
+
 def find_logprob_rows(seqs: list[Sequence], rows: list[int] | None) -> LogprobRows | None:
     """None when no sequence needs logprobs this step (the common case: one scan). Prompt
     tokens already recorded (a prompt recomputed after a preemption) are skipped."""
