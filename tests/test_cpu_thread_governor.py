@@ -39,8 +39,7 @@ def test_without_a_readable_proc_the_governor_does_nothing(tmp_path):
     governor = ThreadGovernor(2, tmp_path / "missing")
     assert governor.since is None
     for _ in range(100):
-        with governor:
-            pass
+        governor.after_step()
     assert not governor.reduced
 
 
@@ -66,6 +65,5 @@ def test_the_governor_looks_every_window_of_steps(governor, monkeypatch):
     seen = []
     monkeypatch.setattr(governor, "observe", seen.append)
     for _ in range(cpu_threads.WINDOW * 3):
-        with governor:
-            pass
+        governor.after_step()
     assert len(seen) == 3 and all(isinstance(s, Sample) for s in seen)

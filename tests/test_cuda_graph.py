@@ -2,6 +2,8 @@
 padded into the static buffers, and the whole engine running its decode steps through
 those buffers with a stand-in for the graphs (test_cuda.py replays real ones)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import hf_greedy
@@ -69,15 +71,13 @@ def decode_metadata(
 
 def test_loading_a_batch_pads_its_rows_and_clears_what_the_last_one_left():
     # 8 rows; a block table of 4 blocks of 4 holds max_model_len 15 + the decoded token
-    buffers = CUDAGraphRunner(
-        None,
-        hidden_size=2,
+    config = SimpleNamespace(
+        hf_config=SimpleNamespace(hidden_size=2),
         max_num_seqs=8,
         max_model_len=15,
-        block_size=4,
-        dtype=torch.float32,
-        device=CPU,
+        kvcache_block_size=4,
     )
+    buffers = CUDAGraphRunner(None, config, torch.float32, CPU)
     wide = decode_metadata(
         [[5, 6, 7], [1, 2, -1], [3, -1, -1], [4, 9, 8]], [40, 17, 50, 70], [41, 18, 3, 35]
     )
@@ -123,15 +123,7 @@ class _EagerReplay:
 def with_stand_in_graphs(llm: LLM) -> list[int]:
     runner = llm.model_runner
     config = llm.config
-    runner.graph_runner = ReplayEagerly(
-        runner.model,
-        config.hf_config.hidden_size,
-        config.max_num_seqs,
-        config.max_model_len,
-        config.kvcache_block_size,
-        runner.dtype,
-        runner.device,
-    )
+    runner.graph_runner = ReplayEagerly(runner.model, config, runner.dtype, runner.device)
     runner.graph_runner.capture()
     return record_replays(runner.graph_runner)
 

@@ -7,13 +7,11 @@ whose barriers wait on descheduled ones):
     else                     the physical cores of the affinity mask, at most the cgroup's CPU
                              quota (rounded down), shared by the engine's ranks here; at least 1
 
-and fewer while the CPU is shared with other work. torch's threads meet at a barrier in every op;
-when another process takes a core, the others spin there waiting for the descheduled one (on 2
-cores beside one busy process, 8% of the quiet throughput: docs/cpu.md). One thread has no
-barrier, so a chosen count (not a given one) is governed, looking every few steps:
+and fewer while the CPU is shared with other work (docs/cpu.md has why and the figures). A chosen
+count (not a given one) is governed, looking every few steps:
 
     all threads   the time they waited runnable for a CPU (Linux's schedstat) per second of
-                  wall time; above SHARED -> one thread
+                  wall time; above SHARED -> one thread, which no barrier can hold up
     one thread    the machine's idle time (/proc/stat); at least FREE of the cores given up
                   were idle -> all threads again
 """
@@ -132,7 +130,7 @@ class Sample(NamedTuple):
 
 
 class ThreadGovernor:
-    """`with governor:` around each step of a runner that chose `threads` (the top)."""
+    """after_step() after each step of a runner that chose `threads` (the top)."""
 
     def __init__(self, threads: int, proc: Path = Path("/proc")):
         self.threads, self.proc = threads, proc
@@ -140,10 +138,7 @@ class ThreadGovernor:
         self.steps = 0
         self.since = self.sample()  # None where /proc cannot be read: nothing is governed
 
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc) -> None:
+    def after_step(self) -> None:
         self.steps += 1
         if self.since is not None and self.steps % (PROBE if self.reduced else WINDOW) == 0:
             self.observe(self.sample())

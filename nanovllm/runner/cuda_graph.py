@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
+from nanovllm.config import Config
 from nanovllm.runner.kv_cache import block_table_width
 
 
@@ -28,25 +29,18 @@ class CUDAGraphRunner:
     """The decode graphs of one model, their memory pool and the static buffers they read
     and write (rows: the largest batch; every row padding until a batch is loaded)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        hidden_size: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
+    def __init__(self, model: nn.Module, config: Config, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.device = device
-        self.batch_sizes = capture_batch_sizes(max_num_seqs)
-        rows, width = self.batch_sizes[-1], block_table_width(max_model_len, block_size)
+        self.batch_sizes = capture_batch_sizes(config.max_num_seqs)
+        rows = self.batch_sizes[-1]
+        width = block_table_width(config.max_model_len, config.kvcache_block_size)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.input_ids, self.positions = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
         self.slot_mapping = torch.full((rows,), -1, **i64)
         self.context_lens = torch.zeros(rows, **i32)
         self.block_tables = torch.full((rows, width), -1, **i32)
+        hidden_size = config.hf_config.hidden_size
         self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)  # hidden states
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # the memory pool every graph shares

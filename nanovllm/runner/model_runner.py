@@ -7,7 +7,6 @@ Built in order: the device and dtype, the model (on CUDA with compiled small ops
 memory measurements that size the KV cache (runner/cuda.py), the KV cache, then the decode CUDA
 graphs, which hold its address."""
 
-import contextlib
 import math
 import weakref
 
@@ -50,7 +49,7 @@ class ModelRunner:
         which passes the `port` of rank 0's store."""
         self.config = config
         self.block_size = config.kvcache_block_size
-        self.governor = contextlib.nullcontext()  # CPU: fewer threads while shared (cpu_threads)
+        self.governor = None  # a CPU's: fewer threads while the CPU is shared (cpu_threads.py)
         self.launch = None  # torchrun's place of this process, when it started it
         if launched_by_torchrun():
             from nanovllm.distributed.launch import torchrun_launch
@@ -150,16 +149,7 @@ class ModelRunner:
             return None
         from nanovllm.runner.cuda_graph import CUDAGraphRunner
 
-        config = self.config
-        return CUDAGraphRunner(
-            self.model,
-            config.hf_config.hidden_size,
-            config.max_num_seqs,
-            config.max_model_len,
-            self.block_size,
-            self.dtype,
-            self.device,
-        )
+        return CUDAGraphRunner(self.model, self.config, self.dtype, self.device)
 
     # -- the KV cache --------------------------------------------------------------------
 
@@ -208,8 +198,9 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> SamplerOutput | None:
         """One step: rank 0's token id per sequence and the logprobs asked for (under torchrun
         on every rank: each runs its own engine in lockstep)."""
-        with self.governor:
-            out = self.execute_model(seqs)
+        out = self.execute_model(seqs)
+        if self.governor is not None:
+            self.governor.after_step()
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
         if out is not None:
             out = out._replace(token_ids=out.token_ids.tolist())
