@@ -304,3 +304,59 @@ def test_greedy_verification_accepts_while_drafts_equal_the_argmax():
     assert sampled.tolist() == [1, 0, 2]
     assert num_accepted_drafts([1, 0], sampled.tolist()) == 2
     assert num_accepted_drafts([1, 2], sampled.tolist()) == 1
+
+
+# -- metrics and options ---------------------------------------------------------------------
+
+
+def test_the_server_exports_vllms_spec_decode_counters():
+    from types import SimpleNamespace
+
+    from nanovllm.engine import EngineStats
+    from nanovllm.entrypoints.metrics import EngineMetrics
+    from nanovllm.speculative.metrics import SpecDecodeStats
+
+    spec = SpecDecodeStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=9)
+    assert (spec.acceptance_rate, spec.mean_acceptance_length) == (0.75, 3.25)
+    front = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0)
+    front.stats = EngineStats(0, 0, 0.0, spec)
+    figures = {m.name: m.samples[0].value for m in EngineMetrics(front, "m").collect()}
+    assert figures["nanovllm:spec_decode_num_drafts"] == 4
+    assert figures["nanovllm:spec_decode_num_draft_tokens"] == 12
+    assert figures["nanovllm:spec_decode_num_accepted_tokens"] == 9
+    front.stats = EngineStats(0, 0, 0.0)  # without speculation: no such counters
+    names = {m.name for m in EngineMetrics(front, "m").collect()}
+    assert not any("spec_decode" in name for name in names)
+
+
+def test_serve_and_bench_take_the_config_as_json_text():
+    import sys
+    from pathlib import Path
+
+    from nanovllm.entrypoints.cli import build_parser
+
+    text = '{"method": "ngram", "num_speculative_tokens": 3}'
+    args = build_parser().parse_args(["serve", "m", "--speculative-config", text])
+    assert args.speculative_config == text
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import bench
+    from benchmarks.engines import spec_decode_figures
+
+    args = bench.parse_args(["--preset", "cpu-small", "--speculative-config", text])
+    argv = bench.child_argv(args, "nanovllm", "x.json")
+    assert argv[argv.index("--speculative-config") + 1] == text
+    before = SpeculativeStatsLike(1, 4, 1)
+    after = SpeculativeStatsLike(5, 20, 13)
+    assert spec_decode_figures(before, after) == {
+        "num_drafts": 4,
+        "num_draft_tokens": 16,
+        "num_accepted_tokens": 12,
+        "acceptance_rate": 0.75,
+        "mean_acceptance_length": 4.0,
+    }
+
+
+class SpeculativeStatsLike:
+    def __init__(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int):
+        self.num_drafts, self.num_draft_tokens = num_drafts, num_draft_tokens
+        self.num_accepted_tokens = num_accepted_tokens

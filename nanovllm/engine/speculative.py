@@ -91,6 +91,7 @@ class SpeculativeLoop:
             return engine.step_output(engine.postprocess(seqs, out), num_prefill, num_decode)
         return self._speculative_step(seqs)
 
+    @torch.inference_mode()
     def _speculative_step(self, seqs: list[Sequence]) -> "StepOutput":
         """Plain rows sampled and recorded as in the plain step; verified rows through
         sample_positions() and SpeculativeScheduler.verify()."""
