@@ -109,19 +109,10 @@ class SpeculativeLoop:
             for seq, v in zip(seqs, is_verified)
         ]
         logits = self._forward(seqs, rows)
-        offsets = list(accumulate(rows, initial=0))
-        split = [[], []]  # logits rows of the plain sequences, of the verified ones
-        for i, v in enumerate(is_verified):
-            split[v].extend(range(offsets[i], offsets[i + 1]))
-        plain_rows, verified_rows = (to_device(torch.tensor(r), logits.device) for r in split)
-        taken_by = []
-        if plain:
-            out = runner.sample(plain, logits[plain_rows])
-            out = out._replace(token_ids=out.token_ids.tolist())
-            scheduler.advance(plain)
-            taken_by = engine.postprocess(plain, out)
+        plain_logits, verified_logits = split_rows(logits, rows, is_verified)
+        taken_by = self._sample_plain(plain, plain_logits) if plain else []
         sampled, entries = sample_positions(
-            runner.sampler, runner.sampling_metadata, verified, drafts, logits[verified_rows]
+            runner.sampler, runner.sampling_metadata, verified, drafts, verified_logits
         )
         new_tokens, step_stats = self._verify(verified, sampled.tolist(), entries)
         output = engine.step_output(
@@ -129,6 +120,14 @@ class SpeculativeLoop:
         )
         new_tokens = output.new_tokens[: len(taken_by)] + new_tokens  # several per verified row
         return output._replace(new_tokens=new_tokens, spec_decode=step_stats)
+
+    def _sample_plain(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """The rows without drafts, sampled and recorded as the plain step does."""
+        engine = self.engine
+        out = engine.model_runner.sample(seqs, logits)
+        out = out._replace(token_ids=out.token_ids.tolist())
+        engine.scheduler.advance(seqs)
+        return engine.postprocess(seqs, out)
 
     def _verify(
         self, seqs: list[Sequence], sampled: list[int], entries: list[dict | None] | None
@@ -162,6 +161,19 @@ class SpeculativeLoop:
         indices = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, rows)])
         inputs.context.logits_indices = torch.from_numpy(indices)
         return runner.call("forward", inputs, None)
+
+
+def split_rows(
+    logits: torch.Tensor, rows: list[int], is_verified: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [sum(rows), vocab], sequence i owning rows[i] consecutive rows -> the rows of the
+    plain sequences and those of the verified ones, each in batch order."""
+    offsets = list(accumulate(rows, initial=0))
+    split: list[list[int]] = [[], []]
+    for i, verified in enumerate(is_verified):
+        split[verified].extend(range(offsets[i], offsets[i + 1]))
+    plain, verified = (to_device(torch.tensor(r, dtype=torch.long), logits.device) for r in split)
+    return logits[plain], logits[verified]
 
 
 @torch.inference_mode()
