@@ -147,12 +147,12 @@ def prefilled(scheduler, params=None, prompt=(10, 11, 12, 13, 14, 15)) -> Sequen
     return seq
 
 
-def test_a_row_with_drafts_is_a_chunk_with_slots_for_all_of_them():
+def test_a_row_with_drafts_schedules_them_all_with_slots():
     scheduler, proposer = speculative_scheduler()
     seq = prefilled(scheduler)
     proposer.drafts = [101, 102, 103, 104, 105]
     assert scheduler.schedule() == [seq]
-    assert seq.is_prefill and seq.num_scheduled_tokens == 6  # its last token + 5 drafts
+    assert not seq.is_prefill and seq.num_scheduled_tokens == 6  # its last token + 5 drafts
     assert seq.token_ids[-6:] == [100, 101, 102, 103, 104, 105]
     assert len(seq.block_table) * 4 >= seq.num_tokens == 12  # slots up to the last draft
     check_scheduler(scheduler)
@@ -167,7 +167,7 @@ def test_rejected_drafts_are_rolled_back_and_only_accepted_blocks_hashed():
     # The target agrees with 101 and 102, not 103: it says 999 there.
     taken, num_accepted = scheduler.verify(seq, [101, 102, 999, 7, 7, 7])
     assert (taken, num_accepted) == ([101, 102, 999], 2)
-    assert seq.completion_token_ids == [100, 101, 102, 999] and not seq.is_prefill
+    assert seq.completion_token_ids == [100, 101, 102, 999] and seq.num_scheduled_tokens == 0
     assert seq.num_cached_tokens == 9 == seq.num_tokens - 1  # KV of 10..15 100 101 102
     assert len(seq.block_table) == 3  # block 3 (positions 12..) was for drafts only: freed
     hashed = [blocks.blocks[b].hash is not None for b in seq.block_table]

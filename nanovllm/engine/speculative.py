@@ -1,7 +1,8 @@
 """The step loop of speculative decoding (`speculative_config`), chosen once when the engine is
 built. Each decoding sequence whose newest n-gram occurred before gets up to k drafts
-(speculative/ngram.py); its row is verified as one chunk over the paged cache, the mixed step's
-path for chunked prefill, with logits at every position:
+(speculative/ngram.py); its row is verified in the step's one forward, its 1 + d tokens written
+to the paged cache and each position attending over the cache up to itself (a decode row each:
+DecodeRow), with logits at every position:
 
     row:      t   d1  d2  d3        t: its last token; d1..d3: the drafts
     logits:   p0  p1  p2  p3        p_j: the target's distribution after t d1 .. dj
@@ -18,10 +19,10 @@ per position; penalties and structured outputs are refused with speculation (che
 
 A step where no row has drafts is the plain step (CUDA graphs and all)."""
 
+from array import array
 from itertools import accumulate
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 import torch
 
 from nanovllm.core import Sequence
@@ -108,7 +109,7 @@ class SpeculativeLoop:
             seq.num_scheduled_tokens if v or seq.needs_prompt_logits else 1
             for seq, v in zip(seqs, is_verified)
         ]
-        logits = self._forward(seqs, rows)
+        logits = self._forward(seqs)
         plain_logits, verified_logits = split_rows(logits, rows, is_verified)
         taken_by = self._sample_plain(plain, plain_logits) if plain else []
         sampled, entries = sample_positions(
@@ -153,14 +154,33 @@ class SpeculativeLoop:
         return new_tokens, stats
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-        """The step's forward on every rank, logits at `rows` per sequence (rank 0's)."""
-        runner = self.engine.model_runner
-        inputs = prepare_inputs(seqs, runner.block_size)
-        ends = np.cumsum([seq.num_scheduled_tokens for seq in seqs])
-        indices = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, rows)])
-        inputs.context.logits_indices = torch.from_numpy(indices)
-        return runner.call("forward", inputs, None)
+    def _forward(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The step's forward on every rank, a verified sequence as 1 + d decode rows (rank 0's
+        logits: a row each, then each prompt chunk's last or, owing prompt logprobs, all)."""
+        runner, drafts = self.engine.model_runner, self.engine.scheduler.drafts
+        rows: list[Sequence | DecodeRow] = []
+        for seq in seqs:
+            if seq.seq_id not in drafts:
+                rows.append(seq)
+                continue
+            start = seq.num_cached_tokens  # its last token's position; the drafts follow
+            end = start + 1 + len(drafts[seq.seq_id])
+            rows += [DecodeRow(seq.token_ids[p], p + 1, seq.block_table) for p in range(start, end)]
+        return runner.call("forward", prepare_inputs(rows, runner.block_size), None)
+
+
+class DecodeRow(NamedTuple):
+    """One position of a verified row, as step_inputs.py reads a decoding sequence: a query at
+    position num_tokens - 1 over the cache up to itself. The row's K/V are all stored before
+    attention runs, so each position sees the drafts before it: causal attention over the chunk,
+    on the decode path (the CPU's C++ decode, CUDA graphs)."""
+
+    last_token: int
+    num_tokens: int
+    block_table: array
+    is_prefill: bool = False
+    prompt_logprobs: None = None
+    needs_prompt_logits: bool = False
 
 
 def split_rows(

@@ -2,19 +2,18 @@
 step's budget, with slots for all of them, and after the step keeps what was accepted.
 
     before:   tokens [ ... t | d1 d2 d3 ]      t has no KV yet; d1..d3 proposed
-              KV     [ ... ]                    num_cached_tokens = len - 1
-    verify:   one chunk over the paged cache: t d1 d2 d3 -> logits at each
+              KV     [ ... ]                    num_cached_tokens = t's position
+    verify:   t d1 d2 d3 computed over the paged cache in one forward -> logits at each
               sampled s0 s1 s2 s3:  s0 == d1, s1 == d2, s2 != d3  -> a = 2 accepted
     after:    tokens [ ... t d1 d2 s2 ]         s2: the corrected (or bonus) token
               KV     [ ... t d1 d2 ]            num_cached_tokens = len - 1 again; d3's KV
                                                 rolled back: blocks past it freed, only
                                                 blocks whole in accepted KV hashed
 
-The drafts sit in the sequence's token ids from schedule() until verify(), and the row is a
-chunk for the step (is_prefill, num_scheduled_tokens = 1 + d), which is how step_inputs.py
-lays it out; verify() restores the decoding row and feeds the taken tokens one at a time to
-accept(), so stop tokens, stop strings, min_tokens and the length limit decide as without
-speculation (a stop inside the accepted drafts ends the sequence there)."""
+The drafts sit in the sequence's token ids (num_scheduled_tokens = 1 + d) from schedule() until
+verify(), which rolls them back and feeds the taken tokens one at a time to accept(), so stop
+tokens, stop strings, min_tokens and the length limit decide as without speculation (a stop
+inside the accepted drafts ends the sequence there)."""
 
 from typing import NamedTuple
 
@@ -37,20 +36,9 @@ class SpeculativeScheduler(Scheduler):
         self.num_draft_tokens = 0  # this step's, reserved from the prefill budget
 
     def schedule(self) -> list[Sequence]:
-        """Decode rows without drafts first, then those with (chunks of 1 + d), then prompt
-        chunks: the order step_inputs.py wants (decode rows, then chunks)."""
         self.drafts.clear()
         self.num_draft_tokens = 0
-        seqs = super().schedule()
-        if not self.drafts:
-            return seqs
-        verify = [seq for seq in seqs if seq.seq_id in self.drafts]
-        for seq in verify:
-            seq.is_prefill = True
-            seq.num_scheduled_tokens = 1 + len(self.drafts[seq.seq_id])
-        rest = [seq for seq in seqs if seq.seq_id not in self.drafts]
-        num_decode = next((i for i, seq in enumerate(rest) if seq.is_prefill), len(rest))
-        return rest[:num_decode] + verify + rest[num_decode:]
+        return super().schedule()
 
     def _schedule_decode(self) -> list[Sequence]:
         """Every decoding sequence's next token (preempting as without drafts), then drafts for
@@ -65,6 +53,7 @@ class SpeculativeScheduler(Scheduler):
             drafts = self._reserve_slots(seq, self.proposer.propose(seq, limit))
             if drafts:
                 self.drafts[seq.seq_id] = drafts
+                seq.num_scheduled_tokens = 1 + len(drafts)
                 spare -= len(drafts)
         self.num_draft_tokens = sum(map(len, self.drafts.values()))
         return batch
@@ -98,7 +87,7 @@ class SpeculativeScheduler(Scheduler):
         num_accepted = num_accepted_drafts(drafts, sampled)
         num_tokens = seq.num_tokens - len(drafts)  # without the drafts
         start, end = seq.num_cached_tokens, num_tokens + num_accepted  # KV now valid up to end
-        seq.is_prefill, seq.num_scheduled_tokens, seq.num_cached_tokens = False, 0, end
+        seq.num_scheduled_tokens, seq.num_cached_tokens = 0, end
         block_size = self.block_manager.block_size
         if end // block_size > start // block_size:  # drafts still in the tokens: hashed right
             self.block_manager.cache_blocks(seq, start, end)
