@@ -246,6 +246,36 @@ def test_preemption_holds_as_without_drafts():
     check_scheduler(scheduler)
 
 
+def test_a_row_whose_drafts_keep_failing_backs_off_until_one_is_accepted():
+    scheduler, proposer = speculative_scheduler()
+    seq = prefilled(scheduler, SamplingParams(max_tokens=60, ignore_eos=True))
+    proposer.drafts = [1, 2]
+    verified_at = []
+    for step in range(1, 16):
+        scheduler.schedule()
+        if seq.seq_id in scheduler.drafts:
+            verified_at.append(step)
+            scheduler.verify(seq, [9, 9, 9])  # every draft wrong
+        else:
+            scheduler.advance([seq])
+            scheduler.accept([seq], [9])
+        check_scheduler(scheduler)
+    assert verified_at == [1, 3, 7, 15]  # then 2, 4, 8 steps without drafts
+    scheduler.schedule()  # step 16: still backing off
+    assert seq.seq_id not in scheduler.drafts
+    scheduler.advance([seq])
+    scheduler.accept([seq], [9])
+    for _ in range(16):  # at step 31 it proposes again; an accepted draft ends the back-off
+        scheduler.schedule()
+        if seq.seq_id in scheduler.drafts:
+            break
+        scheduler.advance([seq])
+        scheduler.accept([seq], [9])
+    scheduler.verify(seq, [1, 9, 9])
+    scheduler.schedule()
+    assert seq.seq_id in scheduler.drafts
+
+
 # -- the rejection sampler -----------------------------------------------------------------------
 
 
