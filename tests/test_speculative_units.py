@@ -73,7 +73,7 @@ def test_speculation_is_refused_beside_async_scheduling():
 
 
 def drafts_of(tokens, min_n=1, max_n=3, k=3):
-    return find_drafts(np.array(tokens, np.int64), min_n, max_n, k)
+    return find_drafts(np.array(tokens, np.int64), tokens, min_n, max_n, k)
 
 
 def test_the_longest_matching_ngram_wins_and_its_continuation_is_proposed():

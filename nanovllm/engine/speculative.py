@@ -188,6 +188,8 @@ def split_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [sum(rows), vocab], sequence i owning rows[i] consecutive rows -> the rows of the
     plain sequences and those of the verified ones, each in batch order."""
+    if all(is_verified):  # every row verified (a lone stream, say): nothing to split
+        return logits[:0], logits
     offsets = list(accumulate(rows, initial=0))
     split: list[list[int]] = [[], []]
     for i, verified in enumerate(is_verified):
