@@ -66,6 +66,23 @@ class OracleProposer:
         pass
 
 
+class TimedLookup:
+    """The real proposer, its host time per call recorded (the lookup's cost per row)."""
+
+    def __init__(self, proposer):
+        self.proposer, self.seconds, self.calls = proposer, 0.0, 0
+
+    def propose(self, seq, limit: int) -> list[int]:
+        start = time.perf_counter()
+        drafts = self.proposer.propose(seq, limit)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return drafts
+
+    def forget(self, seq_id: int) -> None:
+        self.proposer.forget(seq_id)
+
+
 class NoMatch:
     """The real lookup, its drafts discarded: what a workload where nothing repeats costs."""
 
@@ -113,7 +130,9 @@ def measure(plain: LLM, spec: LLM, streams: int, args, vocab: int) -> list[dict]
         batch = prompts(streams, not name.startswith("oracle"), vocab, seed=streams)
         _, truth = decode_run(plain, batch, args.tokens)
         proposer = spec.scheduler.proposer
-        if name == "no match":
+        if name == "ngram":
+            spec.scheduler.proposer = TimedLookup(proposer)
+        elif name == "no match":
             spec.scheduler.proposer = NoMatch(proposer)
         elif q is not None:
             continuations = {tuple(p): c for p, c in zip(batch, truth)}
@@ -130,6 +149,7 @@ def measure(plain: LLM, spec: LLM, streams: int, args, vocab: int) -> list[dict]
             accepted += after.num_accepted_tokens - before.num_accepted_tokens
             drafted += after.num_draft_tokens - before.num_draft_tokens
             verified += after.num_drafts - before.num_drafts
+        lookup = spec.scheduler.proposer
         spec.scheduler.proposer = proposer
         p, s = statistics.median(plain_rates), statistics.median(spec_rates)
         rows.append(
@@ -144,6 +164,8 @@ def measure(plain: LLM, spec: LLM, streams: int, args, vocab: int) -> list[dict]
                 streams_differing=differ,
             )
         )
+        if isinstance(lookup, TimedLookup):
+            rows[-1]["lookup_us_per_row"] = lookup.seconds / lookup.calls * 1e6
         print_row(rows[-1], flush=True)
     return rows
 
@@ -209,6 +231,10 @@ def main() -> None:
                 for n in args.streams
                 for row in measure(plain, spec, n, args, config["vocab_size"])
             ]
+            for row in rows:
+                if "lookup_us_per_row" in row:
+                    us = row["lookup_us_per_row"]
+                    print(f"n-gram lookup at {row['streams']} streams: {us:.1f} us per row")
             print(f"after: {machine()}")
     if args.json:
         with open(args.json, "w") as f:
