@@ -236,3 +236,28 @@ def test_tensor_parallel_speculation_matches_transformers(checkpoints):
         outputs, _ = drive(llm, prompts, GREEDY)
         assert llm.stats().spec_decode.num_accepted_tokens > 0
     assert [o.token_ids for o in outputs] == expected(checkpoints["gqa"], prompts)
+
+
+def test_prompt_logprobs_of_a_chunk_beside_verified_rows_are_the_plain_engines(spec_llm, plain_llm):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
+    early, late = looping(20, 5, 6), random_prompt(21, 60)  # 60 tokens: chunked (budget 48)
+    results = []
+    for llm in (spec_llm, plain_llm):
+        llm.add_request(early, GREEDY)
+        for _ in range(4):  # early decodes (verified rows, with speculation)
+            llm.step()
+        late_id = llm.add_request(late, params)
+        outputs, verified = {}, 0
+        while not llm.is_finished():
+            out = llm.step()
+            verified += out.spec_decode is not None and out.num_prefill_tokens > 0
+            outputs.update({int(o.request_id): o for o in out.finished_requests})
+        results.append((outputs[late_id], verified))
+    (spec, verified), (plain, _) = results
+    assert verified > 0  # a chunk owing prompt logprobs beside verified rows
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert len(spec.prompt_logprobs) == len(plain.prompt_logprobs) == len(late)
+    for mine, theirs in zip(spec.prompt_logprobs[1:], plain.prompt_logprobs[1:]):
+        assert list(mine) == list(theirs)
+        for token, logprob in mine.items():
+            assert logprob.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
