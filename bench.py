@@ -284,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("mixed", "prefill_first"),
         help="nanovllm's scheduling policy (default mixed)",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='nanovllm: speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (default off); its acceptance is reported',
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--max-model-len", type=int, default=4096, help="(default 4096)")
     p.add_argument(
@@ -470,6 +477,13 @@ def print_result(result: dict) -> None:
         f"Total: {result['output_tokens']}tok, Time: {result['time_s']:.2f}s, "
         f"Throughput: {result['output_tok_s']:.2f}tok/s"
     )
+    if spec := result.get("spec_decode"):
+        print(
+            f"  speculative: acceptance {spec['acceptance_rate']:.1%} "
+            f"({spec['num_accepted_tokens']} of {spec['num_draft_tokens']} drafts), "
+            f"mean acceptance length {spec['mean_acceptance_length']:.2f} over "
+            f"{spec['num_drafts']} verified rows"
+        )
     if result.get("decode_time_s") is not None:
         print(
             f"  prefill {result['prefill_time_s']:.2f}s, decode {result['decode_time_s']:.2f}s "
@@ -497,6 +511,7 @@ def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[s
         "hf_batch_size",
         "scheduling_policy",
         "quantization",
+        "speculative_config",
     ):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

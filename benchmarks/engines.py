@@ -47,6 +47,7 @@ def run_nanovllm(args, spec, workload) -> dict:
         async_scheduling=args.async_scheduling,
         cpu_threads=args.threads or 0,
         quantization=args.quantization,
+        speculative_config=args.speculative_config,
     )
     try:
         warmup = SamplingParams(
@@ -57,7 +58,10 @@ def run_nanovllm(args, spec, workload) -> dict:
             SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True)
             for n in workload.output_lens
         ]
+        before = llm.stats().spec_decode  # the warm-up's drafts are not the run's
         result = _timed_steps(llm, workload.prompts, params)
+        if before is not None:
+            result["spec_decode"] = spec_decode_figures(before, llm.stats().spec_decode)
         result["peak_gpu_mib"] = _peak_gpu_mib()
         # what dtype="auto" chose on this machine
         result["dtype"] = str(llm.model_runner.dtype).removeprefix("torch.")
@@ -65,6 +69,19 @@ def run_nanovllm(args, spec, workload) -> dict:
         llm.close()
     result.update(decode_figures(result, spec.hf_config, result["dtype"], workload))
     return result
+
+
+def spec_decode_figures(before, after) -> dict:
+    """Speculative decoding's counters over the timed run (after - before) and its rates."""
+    figures = {
+        name: getattr(after, name) - getattr(before, name)
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
+    drafts, tokens = figures["num_drafts"], figures["num_draft_tokens"]
+    accepted = figures["num_accepted_tokens"]
+    figures["acceptance_rate"] = accepted / tokens if tokens else 0.0
+    figures["mean_acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
+    return figures
 
 
 def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:

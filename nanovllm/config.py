@@ -45,6 +45,7 @@ class Config:
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
+    speculative_config: dict | str | None = None  # n-gram drafts: nanovllm/speculative/
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,10 @@ class Config:
             ("scheduling_policy", SCHEDULING_POLICIES),
         ):
             check_choice(name, getattr(self, name), allowed)
+        if self.speculative_config is not None:
+            from nanovllm.speculative.config import parse_speculative_config
+
+            self.speculative_config = parse_speculative_config(self.speculative_config, self)
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         check_model_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, replace
 from functools import partial
 from numbers import Integral
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -18,6 +18,9 @@ from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling.sampler import SamplerOutput
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.speculative.metrics import SpecDecodeStats
 
 Prompt = str | list[int] | dict  # dict: vLLM's TextPrompt or TokensPrompt
 
@@ -44,12 +47,14 @@ class StepOutput(NamedTuple):
     num_decode_tokens: int  # decode tokens computed this step
     new_tokens: list[NewToken] = []  # every sequence's token of this step, finished or not
     finished_requests: list[RequestOutput] = []  # the requests whose last completion ended
+    spec_decode: "SpecDecodeStats | None" = None  # this step's drafts, with speculation
 
 
 class EngineStats(NamedTuple):
     num_running: int  # sequences holding KV blocks
     num_waiting: int  # sequences queued (preempted ones included)
     kv_cache_usage: float  # fraction of KV blocks held by a sequence
+    spec_decode: "SpecDecodeStats | None" = None  # drafts since the start, with speculation
 
 
 @dataclass(slots=True)
@@ -85,6 +90,11 @@ class LLMEngine:
             from nanovllm.engine.overlap import OverlapLoop
 
             self.overlap = OverlapLoop(self)
+        self.speculative = None  # speculative decoding's loop (speculative.py), when it is on
+        if config.speculative_config is not None:
+            from nanovllm.engine.speculative import SpeculativeLoop
+
+            self.speculative = SpeculativeLoop(self, NewToken)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -131,6 +141,8 @@ class LLMEngine:
                 from nanovllm.structured import prepare
 
                 prepare(self, params)
+            if self.speculative is not None:  # what it does not apply per position
+                self.speculative.check(params)
             self.scheduler.check_fits(len(token_ids), params.max_tokens)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None
@@ -179,6 +191,8 @@ class LLMEngine:
         try:
             if self.overlap is not None:
                 return self.overlap.step()
+            if self.speculative is not None:
+                return self.speculative.step()
             seqs = self.scheduler.schedule()
             num_prefill, num_decode = self.count_tokens(seqs)
             if not seqs:
@@ -310,6 +324,7 @@ class LLMEngine:
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             1 - blocks.num_free_blocks / blocks.num_blocks,
+            None if self.speculative is None else replace(self.speculative.stats),
         )
 
     def check_open(self) -> None:

@@ -123,6 +123,8 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
 def option_type(annotation: object) -> type:
     """The type an option's text converts to: X for a field of type X or X | None."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if str in args:  # a field that parses its own text (speculative_config: JSON)
+        return str
     return args[0] if len(args) == 1 else annotation
 
 

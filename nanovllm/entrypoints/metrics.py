@@ -1,5 +1,7 @@
 """The server's Prometheus metrics (GET /metrics), vLLM's names under `nanovllm:`."""
 
+from collections.abc import Iterator
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanovllm.engine.async_engine import AsyncEngine
@@ -46,5 +48,21 @@ class EngineMetrics:
             ),
         ):
             metric = family(f"nanovllm:{name}", doc, labels=["model_name"])
+            metric.add_metric(self.labels, value)
+            yield metric
+        if stats.spec_decode is not None:  # with speculative_config: vLLM's spec_decode counters
+            yield from self._spec_decode(stats.spec_decode)
+
+    def _spec_decode(self, spec) -> Iterator[CounterMetricFamily]:
+        for name, doc, value in (
+            ("num_drafts", "Rows verified with at least one draft.", spec.num_drafts),
+            ("num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            (
+                "num_accepted_tokens",
+                "Draft tokens accepted (equal to the target model's).",
+                spec.num_accepted_tokens,
+            ),
+        ):
+            metric = CounterMetricFamily(f"nanovllm:spec_decode_{name}", doc, labels=["model_name"])
             metric.add_metric(self.labels, value)
             yield metric

@@ -63,3 +63,26 @@ def test_triton_backend_mixed_steps_match_transformers(checkpoints):
         tokens, steps = run_with_arrivals(llm, early, late, GREEDY)
     assert tokens == [hf_greedy(str(path), tuple(p), GREEDY.max_tokens) for p in early + late]
     assert mixed_steps(steps) >= 1
+
+
+@pytest.mark.cuda
+@requires_kernels
+def test_triton_backend_speculative_decoding_matches_transformers(checkpoints):
+    """Verified rows (a decode row's token and its drafts, one chunk over the paged cache)
+    on the triton backend's prefill, beside plain decode rows."""
+    path = checkpoints["gqa"]
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 500, (5,), generator=g).tolist() * 5, [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM(
+        str(path),
+        attention_backend="triton",
+        device=DEVICE,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=32,
+        speculative_config=spec,
+    ) as llm:
+        tokens = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats().spec_decode.num_accepted_tokens > 0
+    assert tokens == [hf_greedy(str(path), tuple(p), params.max_tokens) for p in prompts]
