@@ -19,8 +19,7 @@ import timeit
 
 import torch
 
-from nanovllm.core import Sequence
-from nanovllm.core.sequence import logits_rows
+from nanovllm.core.sequence import Sequence, logits_rows
 from nanovllm.sampling.logprobs import collect_logprobs, find_logprob_rows, raw_logprobs
 from nanovllm.sampling.metadata import SamplingMetadataBuilder
 from nanovllm.sampling.sampler import Sampler

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from invariants import check_scheduler
 
-from nanovllm.core import Scheduler, Sequence
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence
 
 
 def length_plus_1000(context: tuple[int, ...]) -> int:

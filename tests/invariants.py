@@ -2,7 +2,9 @@
 
 from collections.abc import Iterable
 
-from nanovllm.core import BlockManager, Scheduler, Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence
 
 
 def check_blocks(bm: BlockManager, seqs: Iterable[Sequence]) -> None:

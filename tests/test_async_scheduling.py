@@ -12,7 +12,9 @@ from invariants import check_blocks, check_scheduler
 from test_mixed_steps import prompts
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core import PENDING, BlockManager, Scheduler, Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import PENDING, Sequence
 
 
 class DeviceFeedRunner(FakeRunner):
@@ -197,7 +199,7 @@ def test_a_request_aborted_while_its_step_runs_frees_its_blocks(checkpoints):
         keep, drop = llm.add_request([5, 6, 7], params), llm.add_request([8, 9], params)
         for _ in range(3):
             llm.step()
-        assert llm.overlap.in_flight is not None
+        assert llm.loop.in_flight is not None
         assert llm.abort_request(drop)
         finished = {}
         while not llm.is_finished():

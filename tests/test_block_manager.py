@@ -3,8 +3,9 @@
 import pytest
 from invariants import check_blocks
 
-from nanovllm.core import BlockManager, Sequence
 from nanovllm.core import block_manager as bm_module
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4

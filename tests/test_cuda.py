@@ -19,7 +19,7 @@ from graph_cases import (
 )
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core import PENDING
+from nanovllm.core.sequence import PENDING
 from nanovllm.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
@@ -198,7 +198,7 @@ def test_async_scheduling_feeds_a_step_from_the_one_in_flight_without_a_host_syn
         while not any(seq.last_token == PENDING for seq in llm.scheduler.running):
             llm.step()
         seqs = llm.scheduler.schedule()
-        feed = llm.overlap.feed(seqs, llm.overlap.in_flight)  # rows taken from the step in flight
+        feed = llm.loop.feed(seqs, llm.loop.in_flight)  # rows taken from the step in flight
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

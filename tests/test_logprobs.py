@@ -8,8 +8,8 @@ import torch
 from conftest import hf_model
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core import Scheduler, Sequence
-from nanovllm.core.sequence import logits_rows
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence, logits_rows
 from nanovllm.runner.step_inputs import prepare_inputs
 from nanovllm.sampling.logprobs import find_logprob_rows
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.core import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.runner.step_inputs import prepare_inputs
 
 BLOCK = 16

@@ -8,7 +8,9 @@ from fake_runner import FakeRunner, run_until_done, step
 from invariants import check_scheduler
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import FinishReason, Sequence
 
 BS = 4
 

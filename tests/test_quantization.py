@@ -17,7 +17,7 @@ from conftest import hf_model
 from families import FAMILIES
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.layers.quantization import quantize_model
 from nanovllm.runner.step_inputs import prepare_inputs
 

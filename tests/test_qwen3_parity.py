@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy, hf_model
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.runner.step_inputs import prepare_inputs
 
 BLOCK = 16

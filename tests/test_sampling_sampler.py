@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from nanovllm.core import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling.filters import apply_min_p, apply_top_k_top_p
 from nanovllm.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
 from nanovllm.sampling.penalties import TokenCounts, apply_penalties

@@ -3,7 +3,9 @@
 
 from fake_runner import FakeRunner, run_until_done, step
 
-from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4

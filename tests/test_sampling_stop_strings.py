@@ -3,7 +3,9 @@
 import pytest
 from transformers import AutoTokenizer
 
-from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, StopStringChecker, find_stop_string
 from nanovllm.sampling_params import SamplingParams
 

@@ -4,7 +4,9 @@ lifecycles, driven by a fake runner and checked by plain Python reasoning."""
 import pytest
 from fake_runner import FakeRunner, run_until_done, step
 
-from nanovllm.core import BlockManager, Scheduler, Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4

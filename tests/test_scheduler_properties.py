@@ -9,7 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from invariants import check_scheduler
 
-from nanovllm.core import BlockManager, Scheduler, Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 0

@@ -10,7 +10,8 @@ import pytest
 import torch
 from invariants import check_scheduler
 
-from nanovllm.core import BlockManager, FinishReason, Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.engine.speculative import sample_positions
 from nanovllm.sampling.metadata import SamplingMetadataBuilder
 from nanovllm.sampling.sampler import Sampler

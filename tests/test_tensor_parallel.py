@@ -281,7 +281,7 @@ def test_a_steps_inputs_reach_a_worker_intact_and_hold_no_sequence():
     import pickle
     from dataclasses import fields
 
-    from nanovllm.core import Sequence
+    from nanovllm.core.sequence import Sequence
     from nanovllm.distributed.workers import TensorsAsArrays
     from nanovllm.runner.step_inputs import prepare_inputs
 

@@ -7,7 +7,7 @@ import torch
 from conftest import hf_greedy, hf_model
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core import FinishReason, Sequence
+from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 
 BLOCK = 16

@@ -72,12 +72,3 @@ def why_not(name: str, device: torch.device, block_size: int) -> str | None:
 
 def _module(name: str):
     return importlib.import_module(f"nanovllm.attention.{name}_backend")
-
-
-def import_error(module: str) -> str | None:
-    """Why `module` does not import (not installed, or it fails); None if it does."""
-    try:
-        importlib.import_module(module)
-    except ImportError as error:
-        return str(error)
-    return None

@@ -3,8 +3,8 @@ chunks and flash_attn_with_kvcache for decode; new K/V rows written by our Trito
 
 import torch
 
-from nanovllm.attention.backend import import_error
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.triton_backend import import_error  # it writes the cache
 
 
 def why_not(device: torch.device, block_size: int) -> str | None:

@@ -1,10 +1,20 @@
 """The `triton` attention backend: our kernels (nanovllm/kernels/), on CUDA or in Triton's
 interpreter (TRITON_INTERPRET=1 set before nanovllm is imported)."""
 
+import importlib
+
 import torch
 
-from nanovllm.attention.backend import import_error
 from nanovllm.attention.metadata import AttentionMetadata
+
+
+def import_error(module: str) -> str | None:
+    """Why `module` does not import (not installed, or it fails); None if it does."""
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return str(error)
+    return None
 
 
 def why_not(device: torch.device, block_size: int) -> str | None:

@@ -62,5 +62,14 @@ class StopStringChecker:
         stop_at = find_stop_string(detokenizer.text, num_new_chars, seq.sampling_params.stop)
         return None if stop_at is None else detokenizer.text[:stop_at]
 
+    @staticmethod
+    def completion_text(seq: Sequence, text: str) -> tuple[str, str | None]:
+        """A completion ended by a stop string: its text and the stop string (vLLM's
+        stop_reason), found again at the end of seq.stop_text in the whole decoded `text`."""
+        params = seq.sampling_params
+        stop = next((s for s in params.stop if text.startswith(s, len(seq.stop_text))), None)
+        kept = (stop or "") if params.include_stop_str_in_output else ""
+        return seq.stop_text + kept, stop
+
     def discard(self, seq_id: int) -> None:
         self.detokenizers.pop(seq_id, None)

@@ -1,8 +1,8 @@
 """LLMEngine: `step()` is the heartbeat, schedule -> run -> postprocess. The scheduler decides
 what runs and what ends; the model runner computes a token per scheduled sequence.
 
-With async scheduling (overlap.py) step() is the overlapped loop instead, chosen once when the
-engine is built: step n + 1 is queued on the device before step n's tokens are read."""
+With async scheduling (overlap.py) or speculative decoding (speculative.py) step() is that loop
+instead, chosen once when the engine is built."""
 
 import os
 from dataclasses import dataclass, replace
@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, NamedTuple
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.core import BlockManager, FinishReason, Scheduler, Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling.sampler import SamplerOutput
@@ -85,16 +87,15 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self.requests: dict[int, _Pending] = {}  # request id -> its state, until it finishes
-        self.overlap = None  # async scheduling's loop (overlap.py), when it is on
+        self.loop = None  # another step loop: async scheduling's or speculation's, when on
         if config.async_scheduling:
             from nanovllm.engine.overlap import OverlapLoop
 
-            self.overlap = OverlapLoop(self)
-        self.speculative = None  # speculative decoding's loop (speculative.py), when it is on
-        if config.speculative_config is not None:
+            self.loop = OverlapLoop(self)
+        elif config.speculative_config is not None:
             from nanovllm.engine.speculative import SpeculativeLoop
 
-            self.speculative = SpeculativeLoop(self, NewToken)
+            self.loop = SpeculativeLoop(self, NewToken)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -141,8 +142,8 @@ class LLMEngine:
                 from nanovllm.structured import prepare
 
                 prepare(self, params)
-            if self.speculative is not None:  # what it does not apply per position
-                self.speculative.check(params)
+            if self.loop is not None:  # what it cannot do
+                self.loop.check(params)
             self.scheduler.check_fits(len(token_ids), params.max_tokens)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None
@@ -189,10 +190,8 @@ class LLMEngine:
         does nothing."""
         self.check_open()
         try:
-            if self.overlap is not None:
-                return self.overlap.step()
-            if self.speculative is not None:
-                return self.speculative.step()
+            if self.loop is not None:
+                return self.loop.step()
             seqs = self.scheduler.schedule()
             num_prefill, num_decode = self.count_tokens(seqs)
             if not seqs:
@@ -224,10 +223,8 @@ class LLMEngine:
     def step_output(
         self, accepted: list[Sequence], num_prefill: int, num_decode: int
     ) -> StepOutput:
-        new_tokens = [
-            NewToken(seq.request_id, seq.index, seq.last_token, seq.logprobs[-1])
-            if seq.logprobs
-            else NewToken(seq.request_id, seq.index, seq.last_token, None)
+        new_tokens = [  # with its logprob entry, if asked for
+            NewToken(seq.request_id, seq.index, seq.last_token, (seq.logprobs or [None])[-1])
             for seq in accepted
         ]
         finished = [self._completion_output(seq) for seq in accepted if seq.is_finished]
@@ -238,8 +235,8 @@ class LLMEngine:
     def _drop_all_requests(self) -> None:
         """After a failed step: its sequences are half-updated, so every request is dropped
         and the engine stays usable."""
-        if self.overlap is not None:
-            self.overlap.reset()
+        if self.loop is not None:
+            self.loop.reset()
         self.scheduler.abort_all()
         self.requests.clear()
 
@@ -269,11 +266,8 @@ class LLMEngine:
         in the whole decode, of which the incremental text is a prefix."""
         params, token_ids = seq.sampling_params, seq.completion_token_ids
         decode = partial(self.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
-        if seq.stop_text is not None:  # a stop string
-            text = decode(token_ids)
-            stop = next((s for s in params.stop if text.startswith(s, len(seq.stop_text))), None)
-            kept = (stop or "") if params.include_stop_str_in_output else ""
-            return seq.stop_text + kept, stop
+        if seq.stop_text is not None:  # a stop string: which, its checker finds (detokenizer.py)
+            return self.scheduler.stop_strings.completion_text(seq, decode(token_ids))
         if seq.finish_reason is not FinishReason.STOP:  # length or abort
             return decode(token_ids), None
         # EOS or a stop token id: out of the text unless include_stop_str_in_output
@@ -324,7 +318,7 @@ class LLMEngine:
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             1 - blocks.num_free_blocks / blocks.num_blocks,
-            None if self.speculative is None else replace(self.speculative.stats),
+            None if self.loop is None else self.loop.spec_decode_stats(),
         )
 
     def check_open(self) -> None:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from nanovllm.core import PENDING, Sequence
+from nanovllm.core.sequence import PENDING, Sequence
 from nanovllm.sampling.sampler import SamplerOutput
+from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.engine.llm_engine import LLMEngine, StepOutput
@@ -75,6 +76,14 @@ class OverlapLoop:
     def reset(self) -> None:
         """After a failed step: nothing is in flight any more."""
         self.in_flight = None
+
+    @staticmethod
+    def check(params: SamplingParams) -> None:
+        """Every request's options work overlapped (make_request asks each loop)."""
+
+    @staticmethod
+    def spec_decode_stats() -> None:
+        """No drafts here (EngineStats.spec_decode)."""
 
 
 def needs_last_token(seq: Sequence) -> bool:

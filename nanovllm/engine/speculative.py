@@ -20,12 +20,13 @@ per position; penalties and structured outputs are refused with speculation (che
 A step where no row has drafts is the plain step (CUDA graphs and all)."""
 
 from array import array
+from dataclasses import replace
 from itertools import accumulate
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from nanovllm.core import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.device import to_device
 from nanovllm.runner.step_inputs import prepare_inputs
 from nanovllm.sampling.logprobs import LogprobRows, collect_logprobs, raw_logprobs
@@ -65,6 +66,14 @@ class SpeculativeLoop:
         )
         self.engine, self.new_token = engine, new_token
         self.stats = SpecDecodeStats()  # since the engine started
+
+    def reset(self) -> None:
+        """After a failed step: its sequences were finished (aborted), which forgot their
+        drafts' state; the next schedule() starts afresh."""
+
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """The drafts since the engine started (EngineStats.spec_decode), a copy."""
+        return replace(self.stats)
 
     @staticmethod
     def check(params: SamplingParams) -> None:
