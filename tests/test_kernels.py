@@ -19,8 +19,8 @@ import torch
 if sys.platform == "linux":  # a hard dependency there: missing, it fails, not skips
     import triton  # noqa: F401
 
-from nanovllm.attention import backend as attention
 from nanovllm.attention.backend import select_backend
+from nanovllm.attention.triton_backend import import_error
 from nanovllm.kernels import interpreted
 
 KERNEL_TESTS = Path(__file__).parent / "kernels"
@@ -28,7 +28,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU i
 
 
 def flash_attn_installed() -> bool:
-    return attention.import_error("flash_attn") is None
+    return import_error("flash_attn") is None
 
 
 def test_kernels_match_torch_reference_under_the_interpreter():

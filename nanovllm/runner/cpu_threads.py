@@ -169,4 +169,4 @@ class ThreadGovernor:
     def set_threads(self, threads: int, reason: str) -> None:
         torch.set_num_threads(threads)
         self.reduced = threads < self.threads
-        logging.getLogger("nanovllm").info("CPU threads: %d (%s)", threads, reason)
+        logging.getLogger("nanovllm").debug("CPU threads: %d (%s)", threads, reason)
