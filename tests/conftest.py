@@ -8,6 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from nanovllm.runner.cpu_threads import physical_cores
+
+# The engine's CPU threads are given to the tests, as many as the engine would choose: a chosen
+# count is governed (runner/cpu_threads.py) and may change with the machine's load between two
+# runs that a test compares bit for bit, where a reduction split over another number of threads
+# rounds differently. tests/test_cpu_threads.py and test_cpu_thread_governor.py test the choice.
+os.environ.setdefault("OMP_NUM_THREADS", str(physical_cores(os.sched_getaffinity(0))))
+
 # name -> build_tiny_qwen3 arguments. Both GQA and MQA; tied and untied LM head;
 # with and without attention bias; head_dim * heads != hidden_size in "mqa".
 # "gqa" has the engine's fallback rope_theta (10000) and rms_norm_eps (1e-6); "mqa" has
