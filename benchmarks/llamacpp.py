@@ -236,7 +236,11 @@ def llama_runs(bin_dir: Path, model: Path, args) -> dict:
 
 
 def report(results: dict[str, list[dict]]) -> None:
-    figures = ("prefill_tok_s", "decode_tok_s", "batched_decode_tok_s")
+    figures = [  # the batched one only with --batch > 1
+        f
+        for f in ("prefill_tok_s", "decode_tok_s", "batched_decode_tok_s")
+        if all(f in r for runs in results.values() for r in runs)
+    ]
     medians = {
         n: {f: statistics.median(r[f] for r in runs) for f in figures}
         for n, runs in results.items()
