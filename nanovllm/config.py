@@ -41,6 +41,7 @@ class Config:
     enable_prefix_caching: bool = True
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
     cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (runner/cpu_threads.py)
+    cpu_decode_step: bool = False  # decode steps in one native call (runner/cpu_step.py)
     quantization: str | None = None  # "int8": weights quantized at load (layers/quantization.py)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
@@ -69,8 +70,8 @@ class Config:
             "cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, 0, math.inf, "> 0", low_open=True
         )
         check_int("max_logprobs", self.max_logprobs, minimum=0)
-        check_bool("enforce_eager", self.enforce_eager)
-        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        for name in ("enforce_eager", "cpu_decode_step", "enable_prefix_caching"):
+            check_bool(name, getattr(self, name))
         if check_bool("async_scheduling", self.async_scheduling) and self.tensor_parallel_size > 1:
             raise ValueError(
                 "async_scheduling works on one rank: pass tensor_parallel_size=1 "

@@ -38,13 +38,8 @@ def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) 
     return loaded.narrow(dim, group.rank * shard_size, shard_size)
 
 
-# From 2 to this many rows (decode batches, short chunks) oneDNN's GEMM on a prepacked weight
-# beat F.linear's MKL one 1.1-3.6x on the 2-core AMD EPYC measured; from 512 rows they were even
-# or MKL won (python benchmarks/cpu_linear.py). At 1 row (a single stream) MKL's GEMV won: a
-# cpu-small decode step of one sequence took 1.60 ms with F.linear against 2.07 ms with oneDNN
-# (Intel Xeon, 1 thread; even at 4 rows, oneDNN ahead from 16). Below PACKED_MIN_WEIGHT elements
-# oneDNN's ~30-40 us of fixed cost a call outweighed the GEMM: F.linear was as fast or faster at
-# 8-256 rows, 1 and 2 threads ([64, 32] 0.15-0.55x, [384, 128] 0.48-1.0x; [768, 256] 0.86-1.29x).
+# The rows (2 up to PACKED_MAX_ROWS) and weights (PACKED_MIN_WEIGHT elements up) where oneDNN's GEMM
+# on a prepacked weight beat MKL's F.linear: docs/cpu.md#onednns-gemm-on-prepacked-weights.
 PACKED_MAX_ROWS = 256
 PACKED_MIN_WEIGHT = 2**16
 

@@ -144,7 +144,11 @@ class ModelRunner:
         return model.requires_grad_(False)
 
     def _make_graph_runner(self):
-        """Decode CUDA graphs (runner/cuda_graph.py), when use_cuda_graphs says."""
+        """Decode CUDA graphs (runner/cuda_graph.py), or a CPU's native step (cpu_step.py)."""
+        if self.device.type == "cpu" and self.config.cpu_decode_step:
+            from nanovllm.runner.cpu_step import native_decode_step
+
+            return native_decode_step(self.model, self.config, self.dtype)
         if not use_cuda_graphs(self.device, self.config.enforce_eager, self.backend):
             return None
         from nanovllm.runner.cuda_graph import CUDAGraphRunner

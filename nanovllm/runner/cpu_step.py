@@ -1,0 +1,106 @@
+"""A CPU's decode step in one native call (kernels/cpu_step.py), its counterpart of the CUDA
+graphs: the embedding, every layer and the final norm of a dense decoder (Qwen3, Qwen2, Llama,
+Mistral) for decode batches of up to MAX_ROWS rows, with no PyTorch op between. Everything else
+(prefill chunks, larger batches, MoE, tensor parallelism, half precision, enforce_eager) runs
+the eager model. A cpu-small step of one sequence spent ~2/3 of its time in the ~25 PyTorch
+ops of each layer around its GEMVs (docs/cpu.md#the-native-decode-step has the figures)."""
+
+import torch
+from torch import nn
+
+from nanovllm.attention.metadata import ForwardContext
+from nanovllm.config import Config
+from nanovllm.kernels import cpu_int8, cpu_step
+from nanovllm.layers.linear import linear
+from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
+
+MAX_ROWS = 256  # beyond, oneDNN's GEMMs over packed weights (runner/cpu.py) took over
+
+
+def native_decode_step(model: nn.Module, config: Config, dtype: torch.dtype):
+    """The step for this model where it can run it, else None."""
+    dense = isinstance(model, DecoderForCausalLM) and all(
+        isinstance(layer.mlp, DecoderMLP) for layer in model.model.layers
+    )
+    if not dense or dtype != torch.float32 or config.tensor_parallel_size > 1:
+        return None
+    if config.attention_backend not in ("auto", "torch") or not cpu_step.usable():
+        return None
+    int8 = config.quantization is not None  # "int8", checked by Config
+    if int8 and cpu_int8.load() is None:
+        return None
+    return NativeDecodeStep(model, config.kvcache_block_size, int8)
+
+
+class NativeDecodeStep:
+    def __init__(self, model: DecoderForCausalLM, block_size: int, int8: bool):
+        self.model, self.block_size, self.int8 = model, block_size, int8
+        self.step: cpu_step.DecoderStep | None = None
+
+    def capture(self) -> None:
+        """Hand the C++ the weights' and the KV cache's addresses (once the cache is bound)."""
+        decoder, first = self.model.model, self.model.model.layers[0].self_attn
+        shape = cpu_step.Shape(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            self.block_size,
+            decoder.norm.eps,
+            first.attn.scale,
+        )
+        layers = [self._layer(layer) for layer in decoder.layers]
+        rope = first.rotary_emb.cos_sin_cache
+        embed, norm = decoder.embed_tokens.weight, decoder.norm.weight
+        self.step = cpu_step.DecoderStep(cpu_step.load(), shape, embed, norm, rope, layers)
+        head = self.model.lm_head
+        if not self.int8 and not isinstance(head.packed, SingleRowHead):
+            head.packed = SingleRowHead(head.weight, head.packed)
+
+    def _layer(self, layer: nn.Module) -> cpu_step.Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        return cpu_step.Layer(
+            *(_linear(linear, self.int8) for linear in linears),
+            *norms,
+            *qk_norm,
+            attn.attn.k_cache,
+            attn.attn.v_cache,
+        )
+
+    def can_run(self, rows: int) -> bool:
+        return self.step is not None and rows <= MAX_ROWS
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        """The final hidden states [rows, hidden] of a decode-only step."""
+        meta = ctx.decode
+        return self.step(
+            input_ids, positions, ctx.slot_mapping, meta.block_tables, meta.context_lens
+        )
+
+    def close(self) -> None:
+        self.step = None
+
+
+class SingleRowHead:
+    """The LM head's GEMM: a single float32 row through kernels/cpu_step.py's GEMV (MKL's GEMV
+    took 2x as long at cpu-small's head), other rows as before (layers/linear.py)."""
+
+    def __init__(self, weight: torch.Tensor, packed: torch.Tensor | None):
+        self.weight, self.packed = weight, packed
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 1 and x.dtype == torch.float32:
+            return cpu_step.f32_linear(cpu_step.load(), x.contiguous(), self.weight, bias)
+        return linear(x, self.weight, bias, self.packed)
+
+
+def _linear(layer: nn.Module, int8: bool) -> cpu_step.Linear:
+    """A float32 weight, or the int8 kernel's panels (layers/quantization.py's Int8Weight)."""
+    if not int8:
+        return cpu_step.Linear(layer.weight, layer.bias)
+    packed = layer.packed
+    return cpu_step.Linear(
+        packed.qweight, layer.bias, packed.scale, packed.out_features, packed.in_features
+    )

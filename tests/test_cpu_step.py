@@ -1,0 +1,95 @@
+"""The CPU's native decode step (runner/cpu_step.py, kernels/cpu_step.cpp): its float32 GEMM
+against a float64 reference, and the engine with it against transformers' greedy tokens and
+against the eager engine's logprobs, for every dense family, float32 and int8 weights."""
+
+import pytest
+import torch
+from conftest import hf_greedy, native_library
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import cpu_step
+from nanovllm.runner.cpu_step import MAX_ROWS, NativeDecodeStep
+
+EPS32 = 2.0**-24
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_f32_linear_matches_a_float64_reference(rows, threads):
+    library = native_library(cpu_step.load)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(rows)
+        # K around the vector widths (8, 16: the loop takes 2 vectors), N around 4 and 64
+        for n, k in [(1, 1), (3, 15), (4, 16), (5, 31), (63, 32), (64, 33), (130, 257), (300, 512)]:
+            x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+            for bias in (None, torch.randn(n, generator=g)):
+                got = cpu_step.f32_linear(library, x, w, bias).double()
+                want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+                # a float32 sum of k products is off by at most ~k ulps of the sum of |terms|
+                bound = (k + 2) * EPS32 * (x.double().abs() @ w.double().abs().T + 1)
+                assert got.shape == (rows, n)
+                assert ((got - want).abs() <= bound).all(), (n, k, bias is None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _generate(path, prompts, params, **kwargs):
+    with LLM(str(path), device="cpu", max_model_len=256, **kwargs) as llm:
+        runner = llm.model_runner.graph_runner
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return runner, [o.outputs[0] for o in outs]
+
+
+PROMPTS = [list(range(3, 3 + n)) for n in (4, 11, 23)]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_native_step_decodes_as_the_eager_model(families, quantization):
+    """Every dense family: greedy tokens and logprobs equal the eager engine's (their GEMMs sum
+    in another order: within 1e-4), batches of 1 to 3 rows; float32 tokens equal transformers'."""
+    native_library(cpu_step.load)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for name, path in families.items():
+        kwargs = dict(dtype="float32", quantization=quantization)
+        runner, native = _generate(path, PROMPTS, params, cpu_decode_step=True, **kwargs)
+        if "moe" in name:
+            assert runner is None, name  # MoE layers run the eager model
+            continue
+        assert isinstance(runner, NativeDecodeStep) and runner.step is None  # closed
+        _, eager = _generate(path, PROMPTS, params, **kwargs)
+        for a, b in zip(native, eager):
+            assert a.token_ids == b.token_ids, name
+            for x, y, token in zip(a.logprobs, b.logprobs, a.token_ids):
+                assert abs(x[token].logprob - y[token].logprob) < 1e-4, name
+        if quantization is None:
+            for prompt, out in zip(PROMPTS, native):
+                assert out.token_ids == hf_greedy(str(path), tuple(prompt), 12), name
+
+
+def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
+    path = checkpoints["gqa"]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [[5 + i, 7, 9] for i in range(MAX_ROWS + 3)]
+    with LLM(str(path), device="cpu", dtype="float32", cpu_decode_step=True) as llm:
+        step = llm.model_runner.graph_runner
+        assert step.can_run(MAX_ROWS) and not step.can_run(MAX_ROWS + 1)
+        calls = []
+        run = step.run
+        step.run = lambda *args: calls.append(len(args[0])) or run(*args)
+        big = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert calls == []  # 11 rows a step: eager
+        small = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        assert calls == [1, 1]  # the two decode steps after the prefill
+    assert big[0].outputs[0].token_ids == small[0].outputs[0].token_ids
+    # half precision runs the eager model; so does every run that does not ask for the step
+    with LLM(str(path), device="cpu", dtype="bfloat16", cpu_decode_step=True) as llm:
+        assert llm.model_runner.graph_runner is None
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        assert llm.model_runner.graph_runner is None
+
+
+def test_cpu_decode_step_must_be_a_bool(checkpoints):
+    with pytest.raises(TypeError, match="cpu_decode_step"):
+        LLM(str(checkpoints["gqa"]), device="cpu", cpu_decode_step="yes")
