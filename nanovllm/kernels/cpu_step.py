@@ -4,7 +4,7 @@ rotary (cpu_ops.cpp), paged decode attention (cpu_decode.cpp) and, for int8 weig
 (cpu_int8.cpp) through those libraries' own functions, so it computes what the eager layers
 compute with them; only its float32 GEMMs sum in another order than F.linear's. Built at first
 use and loaded with ctypes (kernels/cpu_build.py); `load()` is None, with one warning, where
-it cannot be, and so is `decoder_step` where one of the libraries it calls cannot be.
+it cannot be, and `usable()` is False where one of the libraries the step calls cannot be.
 
     step = DecoderStep(library, shape, embed, final_norm, rope, layers)
     hidden = step(input_ids, positions, slot_mapping, block_tables, context_lens)
