@@ -7,8 +7,8 @@ import torch
 from conftest import hf_greedy, native_library
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels import cpu_step
-from nanovllm.runner.cpu_step import MAX_ROWS, NativeDecodeStep
+from nanovllm.kernels import cpu_int8, cpu_step
+from nanovllm.runner.cpu_step import F32_MAX_ROWS, MAX_ROWS, NativeDecodeStep
 
 EPS32 = 2.0**-24
 
@@ -71,18 +71,25 @@ def test_the_native_step_decodes_as_the_eager_model(families, quantization):
 def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
     path = checkpoints["gqa"]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    prompts = [[5 + i, 7, 9] for i in range(MAX_ROWS + 3)]
+    prompts = [[5 + i, 7, 9] for i in range(F32_MAX_ROWS + 3)]
     with LLM(str(path), device="cpu", dtype="float32", cpu_decode_step=True) as llm:
         step = llm.model_runner.graph_runner
-        assert step.can_run(MAX_ROWS) and not step.can_run(MAX_ROWS + 1)
+        assert step.can_run(F32_MAX_ROWS) and not step.can_run(F32_MAX_ROWS + 1)
         calls = []
         run = step.run
         step.run = lambda *args: calls.append(len(args[0])) or run(*args)
         big = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert calls == []  # 11 rows a step: eager
+        assert calls == []  # F32_MAX_ROWS + 3 rows a step: eager
         small = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
         assert calls == [1, 1]  # the two decode steps after the prefill
     assert big[0].outputs[0].token_ids == small[0].outputs[0].token_ids
+    # int8 weights run the same GEMM kernel either way: the step takes larger batches
+    if cpu_int8.load() is not None:
+        with LLM(
+            str(path), device="cpu", dtype="float32", quantization="int8", cpu_decode_step=True
+        ) as llm:
+            step = llm.model_runner.graph_runner
+            assert step.can_run(MAX_ROWS) and not step.can_run(MAX_ROWS + 1)
     # half precision runs the eager model; so does every run that does not ask for the step
     with LLM(str(path), device="cpu", dtype="bfloat16", cpu_decode_step=True) as llm:
         assert llm.model_runner.graph_runner is None

@@ -14,7 +14,11 @@ from nanovllm.kernels import cpu_int8, cpu_step
 from nanovllm.layers.linear import linear
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
 
-MAX_ROWS = 256  # beyond, oneDNN's GEMMs over packed weights (runner/cpu.py) took over
+# The most decode rows a step runs natively (docs/cpu.md#the-native-decode-step): float32 GEMMs of
+# more rows ran faster through oneDNN's packed weights (runner/cpu.py) at Qwen3-0.6B's shape; int8
+# weights take the same kernel either way, up to where the eager path dequantizes them (AVX2).
+MAX_ROWS = 128
+F32_MAX_ROWS = 4
 
 
 def native_decode_step(model: nn.Module, config: Config, dtype: torch.dtype):
@@ -70,7 +74,7 @@ class NativeDecodeStep:
         )
 
     def can_run(self, rows: int) -> bool:
-        return self.step is not None and rows <= MAX_ROWS
+        return self.step is not None and rows <= (MAX_ROWS if self.int8 else F32_MAX_ROWS)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """The final hidden states [rows, hidden] of a decode-only step."""
