@@ -95,6 +95,10 @@ def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
         assert llm.model_runner.graph_runner is None
     with LLM(str(path), device="cpu", dtype="float32") as llm:
         assert llm.model_runner.graph_runner is None
+    with LLM(
+        str(path), device="cpu", dtype="float32", cpu_decode_step=True, enforce_eager=True
+    ) as llm:
+        assert llm.model_runner.graph_runner is None
 
 
 def test_cpu_decode_step_must_be_a_bool(checkpoints):

@@ -1,9 +1,10 @@
 """A CPU's decode step in one native call (kernels/cpu_step.py), its counterpart of the CUDA
 graphs: the embedding, every layer and the final norm of a dense decoder (Qwen3, Qwen2, Llama,
-Mistral) for decode batches of up to MAX_ROWS rows, with no PyTorch op between. Everything else
-(prefill chunks, larger batches, MoE, tensor parallelism, half precision, enforce_eager) runs
-the eager model. A cpu-small step of one sequence spent ~2/3 of its time in the ~25 PyTorch
-ops of each layer around its GEMVs (docs/cpu.md#the-native-decode-step has the figures)."""
+Mistral) for small decode batches (F32_MAX_ROWS rows, MAX_ROWS with int8 weights), with no
+PyTorch op between. Everything else (prefill chunks, larger batches, MoE, tensor parallelism,
+half precision, enforce_eager) runs the eager model. A cpu-small step of one sequence spent ~2/3
+of its time in the ~25 PyTorch ops of each layer around its GEMVs (the figures:
+docs/cpu.md#the-native-decode-step)."""
 
 import torch
 from torch import nn
@@ -28,7 +29,9 @@ def native_decode_step(model: nn.Module, config: Config, dtype: torch.dtype):
     )
     if not dense or dtype != torch.float32 or config.tensor_parallel_size > 1:
         return None
-    if config.attention_backend not in ("auto", "torch") or not cpu_step.usable():
+    if config.enforce_eager or config.attention_backend not in ("auto", "torch"):
+        return None
+    if not cpu_step.usable():
         return None
     int8 = config.quantization is not None  # "int8", checked by Config
     if int8 and cpu_int8.load() is None:
