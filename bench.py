@@ -274,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--cpu-decode-step",
+        action="store_true",
+        help="nanovllm on a CPU: small decode batches in one native call (docs/cpu.md)",
+    )
+    p.add_argument(
         "--async-scheduling",
         action="store_true",
         help="nanovllm: schedule step n+1 while step n runs",

@@ -45,6 +45,7 @@ def run_nanovllm(args, spec, workload) -> dict:
         cpu_kvcache_space_gib=args.kv_cache_gib,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
+        cpu_decode_step=args.cpu_decode_step,
         cpu_threads=args.threads or 0,
         quantization=args.quantization,
         speculative_config=args.speculative_config,
