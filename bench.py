@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cpu-decode-step",
         action="store_true",
-        help="nanovllm on a CPU: small decode batches in one native call (docs/cpu.md)",
+        help="nanovllm on a CPU: small float32 decode batches in one native call (int8: always)",
     )
     p.add_argument(
         "--async-scheduling",

@@ -211,7 +211,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--quantization", default=None)
     p.add_argument(
-        "--cpu-decode-step", action="store_true", help="nanovllm's native decode step (opt-in)"
+        "--cpu-decode-step",
+        action="store_true",
+        help="nanovllm's native decode step for float32 (int8 runs it anyway)",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

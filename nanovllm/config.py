@@ -41,7 +41,7 @@ class Config:
     enable_prefix_caching: bool = True
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
     cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (runner/cpu_threads.py)
-    cpu_decode_step: bool = False  # decode steps in one native call (runner/cpu_step.py)
+    cpu_decode_step: bool = False  # decode in one native call (runner/cpu_step.py); int8: on
     quantization: str | None = None  # "int8": weights quantized at load (layers/quantization.py)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)

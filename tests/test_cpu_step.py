@@ -58,7 +58,7 @@ def test_the_native_step_decodes_as_the_eager_model(families, quantization):
             assert runner is None, name  # MoE layers run the eager model
             continue
         assert isinstance(runner, NativeDecodeStep) and runner.step is None  # closed
-        _, eager = _generate(path, PROMPTS, params, **kwargs)
+        _, eager = _generate(path, PROMPTS, params, enforce_eager=True, **kwargs)
         for a, b in zip(native, eager):
             assert a.token_ids == b.token_ids, name
             for x, y, token in zip(a.logprobs, b.logprobs, a.token_ids):
@@ -83,13 +83,15 @@ def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
         small = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
         assert calls == [1, 1]  # the two decode steps after the prefill
     assert big[0].outputs[0].token_ids == small[0].outputs[0].token_ids
-    # int8 weights run the same GEMM kernel either way: the step takes larger batches
+    # int8 weights run the same GEMM kernel either way: the step takes larger batches, and it
+    # is on with them unless enforce_eager
     if cpu_int8.load() is not None:
-        with LLM(
-            str(path), device="cpu", dtype="float32", quantization="int8", cpu_decode_step=True
-        ) as llm:
+        with LLM(str(path), device="cpu", dtype="float32", quantization="int8") as llm:
             step = llm.model_runner.graph_runner
             assert step.can_run(MAX_ROWS) and not step.can_run(MAX_ROWS + 1)
+        int8 = dict(dtype="float32", quantization="int8", enforce_eager=True)
+        with LLM(str(path), device="cpu", **int8) as llm:
+            assert llm.model_runner.graph_runner is None
     # half precision runs the eager model; so does every run that does not ask for the step
     with LLM(str(path), device="cpu", dtype="bfloat16", cpu_decode_step=True) as llm:
         assert llm.model_runner.graph_runner is None

@@ -145,7 +145,7 @@ class ModelRunner:
 
     def _make_graph_runner(self):
         """Decode CUDA graphs (runner/cuda_graph.py), or a CPU's native step (cpu_step.py)."""
-        if self.device.type == "cpu" and self.config.cpu_decode_step:
+        if self.device.type == "cpu" and (self.config.cpu_decode_step or self.config.quantization):
             from nanovllm.runner.cpu_step import native_decode_step
 
             return native_decode_step(self.model, self.config, self.dtype)
