@@ -1,5 +1,6 @@
-"""CPU linears through oneDNN's prepacked weights: the same products as F.linear, used only
-from 2 to PACKED_MAX_ROWS rows, and a runner that packs only when the copies fit its memory."""
+"""CPU linears that keep oneDNN-prepacked weights: the same products as F.linear, the copy used
+only from 2 to PACKED_MAX_ROWS rows (one float32 row: our GEMV), and a runner that packs only
+when the copies fit its memory."""
 
 import logging
 
@@ -11,6 +12,7 @@ from conftest import hf_greedy
 import nanovllm.layers.linear as linear_module
 import nanovllm.runner.cpu as runner_cpu
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import cpu_step
 from nanovllm.layers.linear import (
     PACKED_MAX_ROWS,
     PACKED_MIN_WEIGHT,
@@ -37,13 +39,18 @@ def test_a_packed_linear_computes_what_f_linear_does(rows, with_bias):
 
 
 def test_one_row_and_rows_above_the_limit_use_the_dense_weight():
-    """At 1 row and past PACKED_MAX_ROWS the packed copy is not read: a wrong one changes
-    nothing; between them it is."""
+    """At 1 row (float32: kernels/cpu_step.py's GEMV, other dtypes F.linear) and past
+    PACKED_MAX_ROWS the packed copy is not read: a wrong one changes nothing; between them it is."""
     weight = torch.randn(8, 16)
     wrong = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16), None)
     x = torch.randn(PACKED_MAX_ROWS + 1, 16)
     assert torch.equal(linear(x, weight, None, wrong), F.linear(x, weight))
-    assert torch.equal(linear(x[:1], weight, None, wrong), F.linear(x[:1], weight))
+    one = linear(x[:1], weight, None, wrong)
+    torch.testing.assert_close(one, F.linear(x[:1], weight), rtol=1e-5, atol=1e-5)
+    if (library := cpu_step.load()) is not None:  # the GEMV's own sums
+        assert torch.equal(one, cpu_step.f32_linear(library, x[:1], weight, None))
+    half = x[:1].bfloat16(), weight.bfloat16()
+    assert torch.equal(linear(*half, None, wrong), F.linear(*half))
     assert linear(x[:2], weight, None, wrong).eq(0).all()
 
 

@@ -1,8 +1,9 @@
 """A dense decoder's decode step in one native call on a CPU (cpu_step.cpp), and the float32 GEMM
-of a few rows it runs (`f32_linear`, a single-row LM head's too). The step calls RMSNorm and
-rotary (cpu_ops.cpp), paged decode attention (cpu_decode.cpp) and, for int8 weights, their GEMM
-(cpu_int8.cpp) through those libraries' own functions, so it computes what the eager layers
-compute with them; only its float32 GEMMs sum in another order than F.linear's. Built at first
+of a few rows it runs (`f32_linear`; also every packed CPU linear's single row, `packed_linear`).
+The step calls RMSNorm and rotary (cpu_ops.cpp), paged decode attention (cpu_decode.cpp) and, for
+int8 weights, their GEMM (cpu_int8.cpp) through those libraries' own functions, so it computes
+what the eager layers compute with them; only its float32 GEMMs sum in another order than
+F.linear's. Built at first
 use and loaded with ctypes (kernels/cpu_build.py); `load()` is None, with one warning, where
 it cannot be, and `usable()` is False where one of the libraries the step calls cannot be.
 
@@ -99,6 +100,20 @@ def f32_linear(
         torch.get_num_threads(),
     )
     return out
+
+
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A CPU linear that keeps a oneDNN-blocked copy of its [N, K] weight, x [rows, K]: rows
+    from 2 through oneDNN's GEMM over `blocked`; one float32 row through f32_linear (MKL's GEMV
+    read a weight at half its rate on an AMD EPYC), one row of another dtype through F.linear."""
+    if x.shape[0] > 1:
+        return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
+    library = load() if x.dtype == torch.float32 else None
+    if library is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return f32_linear(library, x.contiguous(), weight, bias)
 
 
 class Linear(NamedTuple):

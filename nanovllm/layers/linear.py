@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.group import TPGroup, get_tp_group
+from nanovllm.kernels import cpu_step
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -38,8 +39,7 @@ def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) 
     return loaded.narrow(dim, group.rank * shard_size, shard_size)
 
 
-# The rows (2 up to PACKED_MAX_ROWS) and weights (PACKED_MIN_WEIGHT elements up) where oneDNN's GEMM
-# on a prepacked weight beat MKL's F.linear: docs/cpu.md#onednns-gemm-on-prepacked-weights.
+# Where a CPU linear's own GEMMs beat F.linear: docs/cpu.md#onednns-gemm-on-prepacked-weights.
 PACKED_MAX_ROWS = 256
 PACKED_MIN_WEIGHT = 2**16
 
@@ -51,11 +51,11 @@ def linear(
     packed: object | None = None,
 ) -> torch.Tensor:
     """F.linear, or the layer's own GEMM over `packed`: a weight format's (int8, its `linear`:
-    layers/quantization.py), or on a CPU oneDNN's over a blocked copy (pack_linear_weights)."""
+    layers/quantization.py), or on a CPU a blocked copy's (pack_linear_weights; cpu_step.py)."""
     if packed is not None and not isinstance(packed, torch.Tensor):
         return packed.linear(x, bias)
-    if packed is not None and x.dim() == 2 and 1 < x.shape[0] <= PACKED_MAX_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+        return cpu_step.packed_linear(x, weight, packed, bias)
     return F.linear(x, weight, bias)
 
 

@@ -12,7 +12,6 @@ from torch import nn
 from nanovllm.attention.metadata import ForwardContext
 from nanovllm.config import Config
 from nanovllm.kernels import cpu_int8, cpu_step
-from nanovllm.layers.linear import linear
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
 
 # The most decode rows a step runs natively (docs/cpu.md#the-native-decode-step): float32 GEMMs of
@@ -59,9 +58,6 @@ class NativeDecodeStep:
         rope = first.rotary_emb.cos_sin_cache
         embed, norm = decoder.embed_tokens.weight, decoder.norm.weight
         self.step = cpu_step.DecoderStep(cpu_step.load(), shape, embed, norm, rope, layers)
-        head = self.model.lm_head
-        if not self.int8 and not isinstance(head.packed, SingleRowHead):
-            head.packed = SingleRowHead(head.weight, head.packed)
 
     def _layer(self, layer: nn.Module) -> cpu_step.Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -88,19 +84,6 @@ class NativeDecodeStep:
 
     def close(self) -> None:
         self.step = None
-
-
-class SingleRowHead:
-    """The LM head's GEMM: a single float32 row through kernels/cpu_step.py's GEMV (MKL's GEMV
-    took 2x as long at cpu-small's head), other rows as before (layers/linear.py)."""
-
-    def __init__(self, weight: torch.Tensor, packed: torch.Tensor | None):
-        self.weight, self.packed = weight, packed
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] == 1 and x.dtype == torch.float32:
-            return cpu_step.f32_linear(cpu_step.load(), x.contiguous(), self.weight, bias)
-        return linear(x, self.weight, bias, self.packed)
 
 
 def _linear(layer: nn.Module, int8: bool) -> cpu_step.Linear:
