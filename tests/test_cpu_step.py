@@ -8,7 +8,7 @@ from conftest import hf_greedy, native_library
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_int8, cpu_step
-from nanovllm.runner.cpu_step import F32_MAX_ROWS, MAX_ROWS, NativeDecodeStep
+from nanovllm.runner.cpu_step import F32_MAX_ROWS, INT8_MAX_ROWS, NativeDecodeStep
 
 EPS32 = 2.0**-24
 
@@ -88,7 +88,7 @@ def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
     if cpu_int8.load() is not None:
         with LLM(str(path), device="cpu", dtype="float32", quantization="int8") as llm:
             step = llm.model_runner.graph_runner
-            assert step.can_run(MAX_ROWS) and not step.can_run(MAX_ROWS + 1)
+            assert step.can_run(INT8_MAX_ROWS) and not step.can_run(INT8_MAX_ROWS + 1)
         int8 = dict(dtype="float32", quantization="int8", enforce_eager=True)
         with LLM(str(path), device="cpu", **int8) as llm:
             assert llm.model_runner.graph_runner is None

@@ -1,6 +1,6 @@
 """A CPU's decode step in one native call (kernels/cpu_step.py), its counterpart of the CUDA
 graphs: the embedding, every layer and the final norm of a dense decoder (Qwen3, Qwen2, Llama,
-Mistral) for small decode batches (F32_MAX_ROWS rows, MAX_ROWS with int8 weights), with no
+Mistral) for small decode batches (F32_MAX_ROWS rows, INT8_MAX_ROWS with int8 weights), with no
 PyTorch op between. Everything else (prefill chunks, larger batches, MoE, tensor parallelism,
 half precision, enforce_eager) runs the eager model. A cpu-small step of one sequence spent ~2/3
 of its time in the ~25 PyTorch ops of each layer around its GEMVs (the figures:
@@ -17,8 +17,8 @@ from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
 # The most decode rows a step runs natively (docs/cpu.md#the-native-decode-step): float32 GEMMs of
 # more rows ran faster through oneDNN's packed weights (runner/cpu.py) at Qwen3-0.6B's shape; int8
 # weights take the same kernel either way, up to where the eager path dequantizes them (AVX2).
-MAX_ROWS = 128
 F32_MAX_ROWS = 4
+INT8_MAX_ROWS = 128
 
 
 def native_decode_step(model: nn.Module, config: Config, dtype: torch.dtype):
@@ -41,6 +41,7 @@ def native_decode_step(model: nn.Module, config: Config, dtype: torch.dtype):
 class NativeDecodeStep:
     def __init__(self, model: DecoderForCausalLM, block_size: int, int8: bool):
         self.model, self.block_size, self.int8 = model, block_size, int8
+        self.max_rows = INT8_MAX_ROWS if int8 else F32_MAX_ROWS
         self.step: cpu_step.DecoderStep | None = None
 
     def capture(self) -> None:
@@ -73,7 +74,7 @@ class NativeDecodeStep:
         )
 
     def can_run(self, rows: int) -> bool:
-        return self.step is not None and rows <= (MAX_ROWS if self.int8 else F32_MAX_ROWS)
+        return self.step is not None and rows <= self.max_rows
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """The final hidden states [rows, hidden] of a decode-only step."""
