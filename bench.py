@@ -275,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--cpu-decode-step",
-        action="store_true",
-        help="nanovllm on a CPU: small float32 decode batches in one native call (int8: always)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nanovllm on a CPU: small decode batches in one native call (default: on; "
+        "--no-cpu-decode-step runs them layer by layer)",
     )
     p.add_argument(
         "--async-scheduling",

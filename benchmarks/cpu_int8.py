@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import cpu_int8
-from nanovllm.runner.cpu import keep_freed_host_memory
+from nanovllm.platforms.cpu.host import keep_freed_host_memory
 
 SHAPES = {  # [out_features, in_features]
     "0.6b qkv": (4096, 1024),  # q 16 x 128 + k, v 8 x 128 each

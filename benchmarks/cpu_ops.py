@@ -19,7 +19,8 @@ import torch
 from nanovllm.kernels import cpu_ops
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
-from nanovllm.runner.cpu import keep_freed_host_memory
+from nanovllm.platforms.cpu.host import keep_freed_host_memory
+from nanovllm.platforms.cpu.ops import NATIVE
 
 SHAPES = {
     "tiny 256": (256, 32, 2, 1, 16),
@@ -77,7 +78,7 @@ def main() -> None:
             eager_times, native_times = [], []
             for _ in range(args.rounds):  # A B A B ...
                 eager_times.append(median_us(hot.eager, op_input, calls))
-                native_times.append(median_us(hot.native, op_input, calls))
+                native_times.append(median_us(NATIVE[hot], op_input, calls))
             a, b = statistics.median(eager_times), statistics.median(native_times)
             print(f"{name:>18} {op:>13} {a:>9.1f} {b:>10.1f} {a / b:>7.1f}x")
 

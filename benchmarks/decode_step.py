@@ -75,8 +75,7 @@ def time_steps(llm: LLM, steps: int, cycles_per_ms: float) -> dict[str, float]:
             end.record()
         token_ids = sampled.tolist()
         t3 = time.perf_counter()
-        scheduler.advance(seqs)
-        scheduler.accept(seqs, token_ids)
+        scheduler.postprocess(seqs, token_ids)
         t4 = time.perf_counter()
         if busy:
             parts["launch busy"].append((t2 - t1) * 1e3)

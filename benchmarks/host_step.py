@@ -12,7 +12,7 @@ with timers, so
 
 and so are the parts: schedule (Scheduler.schedule), inputs (the step's tensors),
 sampling (the sampling metadata), sampler (the sampler itself: device work on a GPU)
-and post (Scheduler.advance + accept, which make postprocess).
+and post (Scheduler.postprocess).
 """
 
 import argparse
@@ -45,8 +45,7 @@ def wrap_parts(llm: LLM) -> dict[str, list[float]]:
     """Timers around each part of a step (instance attributes and module globals)."""
     totals = {name: [0.0] for name in PARTS}
     llm.scheduler.schedule = timed(llm.scheduler.schedule, totals["schedule"])
-    for half in ("advance", "accept"):  # postprocess, as the engine calls it
-        setattr(llm.scheduler, half, timed(getattr(llm.scheduler, half), totals["post"]))
+    llm.scheduler.postprocess = timed(llm.scheduler.postprocess, totals["post"])
     sampler = llm.model_runner.sampler
     sampler.forward = timed(sampler.forward, totals["sampler"])
     model_runner.prepare_inputs = timed(model_runner.prepare_inputs, totals["inputs"])

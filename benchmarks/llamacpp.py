@@ -130,8 +130,8 @@ def nanovllm_run(ckpt: Path, args, quantization: str | None) -> dict:
     cmd += ["--prompt", str(args.prompt), "--gen", str(args.gen), "--batch", str(args.batch)]
     if quantization:
         cmd += ["--quantization", quantization]
-    if args.cpu_decode_step:
-        cmd += ["--cpu-decode-step"]
+    if not args.cpu_decode_step:
+        cmd += ["--no-cpu-decode-step"]
     return json.loads(in_group(cmd, args.timeout).strip().splitlines()[-1])
 
 
@@ -212,8 +212,9 @@ def main() -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument(
         "--cpu-decode-step",
-        action="store_true",
-        help="nanovllm's native decode step for float32 (int8 runs it anyway)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nanovllm's native decode step (default: on)",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

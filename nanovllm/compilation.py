@@ -1,37 +1,52 @@
-"""torch.compile for the small ops between the matmuls (RMSNorm + residual, SiluAndMul, rotary,
-the sampler's softmax race), on CUDA without enforce_eager (on a CPU compiling costs 10-25 s a
-process, more than it saves: benchmarks/compiled_ops.py). Each op is compiled once per process
-and shared by every layer: dynamo guards on shapes and dtypes, never on a layer."""
+"""Hot ops: the small pure functions between the matmuls (RMSNorm + residual, SiLU-and-mul, rotary,
+the sampler's draw, an MoE layer's experts). A layer takes its op's implementation once, when it
+is built (`op.select()`), and the platform in charge chooses which (`ops_scope(choice)` around
+the model's construction):
 
-import functools
+    eager_ops      the plain PyTorch function (the default; what the tests hold as the reference)
+    compiled_ops   torch.compile's twin, made once per process and shared by every layer (dynamo
+                   guards on shapes and dtypes, never on a layer): CUDA, without enforce_eager
+    a platform's   its own table, e.g. a CPU's native twins (platforms/cpu/ops.py)
+
+On a CPU compiling costs 10-25 s a process, more than it saves (docs/benchmarks.md)."""
+
 from collections.abc import Callable
 
 import torch
 
 from nanovllm.utils import Scoped
 
-_enabled: Scoped[bool] = Scoped(False)
-compile_scope = _enabled.scope  # layers (and samplers) built inside use the compiled ops
-
 
 class HotOp:
-    """A pure function (`@HotOp`), its compiled twin (made on first demand) and, given one by
-    hot_op, a native twin that CPU layers call instead."""
+    """A pure function (`@HotOp`) and its compiled twin, made on first demand. Called directly,
+    it is the eager function; `name` is the function's."""
 
-    def __init__(self, fn: Callable, native: Callable | None = None):
-        self.eager, self.native = fn, native
+    def __init__(self, fn: Callable):
+        self.eager, self.name = fn, fn.__name__
         self._compiled: Callable | None = None
 
+    def __call__(self, *args, **kwargs):
+        return self.eager(*args, **kwargs)
+
+    def compiled(self) -> Callable:
+        self._compiled = self._compiled or torch.compile(self.eager)
+        return self._compiled
+
     def select(self) -> Callable:
-        """For a layer being built: compiled in compile_scope(True), else native on a CPU."""
-        if _enabled.value:
-            self._compiled = self._compiled or torch.compile(self.eager)
-            return self._compiled
-        on_cpu = torch.get_default_device().type == "cpu"
-        return self.native if self.native and on_cpu else self.eager
+        """For a layer being built: what the current ops_scope chooses for this op."""
+        return _choice.value(self)
 
 
-def hot_op(native: Callable) -> Callable[[Callable], HotOp]:
-    """`@hot_op(native=twin)` on an eager op: a HotOp whose CPU layers call twin(eager, *args)
-    (the twins of kernels/cpu_ops.py fall back to the eager op for what they do not cover)."""
-    return lambda eager: HotOp(eager, functools.partial(native, eager))
+OpChoice = Callable[[HotOp], Callable]  # a platform's rule: an op -> its implementation
+
+
+def eager_ops(op: HotOp) -> Callable:
+    return op.eager
+
+
+def compiled_ops(op: HotOp) -> Callable:
+    return op.compiled()
+
+
+_choice: Scoped[OpChoice] = Scoped(eager_ops)
+ops_scope = _choice.scope  # layers (and samplers) built inside take their hot ops by its choice

@@ -40,9 +40,9 @@ class Config:
     load_format: str = "auto"
     enable_prefix_caching: bool = True
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
-    cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (runner/cpu_threads.py)
-    cpu_decode_step: bool = False  # decode in one native call (runner/cpu_step.py); int8: on
-    quantization: str | None = None  # "int8": weights quantized at load (layers/quantization.py)
+    cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (platforms/cpu/)
+    cpu_decode_step: bool = True  # a CPU decodes in one native call (platforms/cpu/decode_step.py)
+    quantization: str | None = None  # "int8": weights quantized at load (quantization/)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
@@ -90,7 +90,9 @@ class Config:
         if self.speculative_config is not None:
             from nanovllm.speculative.config import parse_speculative_config
 
-            self.speculative_config = parse_speculative_config(self.speculative_config, self)
+            self.speculative_config = parse_speculative_config(
+                self.speculative_config, self.async_scheduling
+            )
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         check_model_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)

@@ -1,27 +1,9 @@
-"""Which device and dtype a runner uses, and host -> device copies that do not sync."""
+"""dtype names, and host -> device copies that do not sync."""
 
 import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str, gpu_index: int | None, gpus_needed: int) -> torch.device:
-    """The CPU, or GPU number `gpu_index` of this machine's (None: the current one), of which
-    `gpus_needed` must be visible."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is unavailable; use 'cpu' or 'auto'")
-    if gpus_needed > torch.cuda.device_count():
-        raise ValueError(
-            f"{gpus_needed} GPUs are needed here (one per rank: tensor_parallel_size, or "
-            f"torchrun's ranks per node) but {torch.cuda.device_count()} are visible; "
-            "start fewer ranks or use device='cpu'"
-        )
-    return torch.device("cuda") if gpu_index is None else torch.device("cuda", gpu_index)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -42,8 +24,9 @@ def list_to_device(data: list, device: torch.device) -> torch.Tensor:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """To CUDA through pinned memory, non_blocking: queued behind the device's work, where a
-    copy from pageable memory would wait for everything queued before it."""
-    if device.type == "cpu":
+    """A host tensor on `device`: through pinned memory, non_blocking, so the copy is queued
+    behind the device's work where one from pageable memory would wait for all of it. A tensor
+    already there (a CPU run's) is returned as it is."""
+    if tensor.device == device:
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from nanovllm.runner.cpu_threads import physical_cores
+from nanovllm.platforms.cpu.threads import physical_cores
 
 # The engine's CPU threads are given to the tests, as many as the engine would choose: a chosen
-# count is governed (runner/cpu_threads.py) and may change with the machine's load between two
+# count is governed (platforms/cpu/threads.py) and may change with the machine's load between two
 # runs that a test compares bit for bit, where a reduction split over another number of threads
 # rounds differently. tests/test_cpu_threads.py and test_cpu_thread_governor.py test the choice.
 os.environ.setdefault("OMP_NUM_THREADS", str(physical_cores(os.sched_getaffinity(0))))

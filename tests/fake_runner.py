@@ -82,8 +82,7 @@ def slot(seq: Sequence, position: int) -> int:
 def step(scheduler: Scheduler, runner: FakeRunner) -> list[Sequence]:
     seqs = scheduler.schedule()
     tokens = runner.run(seqs)
-    scheduler.advance(seqs)  # what LLMEngine.step does once the step is launched
-    finished = [seq for seq in scheduler.accept(seqs, tokens) if seq.is_finished]
+    finished = [seq for seq in scheduler.postprocess(seqs, tokens) if seq.is_finished]
     check_scheduler(scheduler)
     return finished
 

@@ -4,7 +4,7 @@ graphs in test_cuda.py): the decode workload and a replay recorder."""
 import torch
 
 from nanovllm import SamplingParams
-from nanovllm.runner.cuda_graph import CUDAGraphRunner
+from nanovllm.platforms.cuda.graphs import CUDAGraphRunner
 
 BLOCK = 16
 

@@ -14,7 +14,8 @@ from test_mixed_steps import prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.scheduler import Scheduler
-from nanovllm.core.sequence import PENDING, Sequence
+from nanovllm.core.sequence import Sequence
+from nanovllm.engine.overlap import PENDING, OverlapScheduler
 
 
 class DeviceFeedRunner(FakeRunner):
@@ -51,7 +52,8 @@ def requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams]]:
 
 def drive(reqs, num_blocks: int, async_scheduling: bool, eos: bool = True):
     """Every request to the end; (completion, finish reason) per request, and the scheduler."""
-    scheduler = Scheduler(
+    scheduler_class = OverlapScheduler if async_scheduling else Scheduler
+    scheduler = scheduler_class(
         BlockManager(num_blocks, 4), max_num_seqs=6, max_num_batched_tokens=16, max_model_len=64
     )
     seqs = [Sequence(p, params, 4, eos_token_ids=[0]) for p, params in reqs]
@@ -69,12 +71,11 @@ def drive(reqs, num_blocks: int, async_scheduling: bool, eos: bool = True):
         batch = scheduler.schedule()
         tokens = runner.run(batch) if batch else []
         if not async_scheduling:
-            scheduler.advance(batch)
-            scheduler.accept(batch, tokens)
-        else:  # as LLMEngine.step: launch n + 1, read n, then n + 1's bookkeeping
+            scheduler.postprocess(batch, tokens)
+        else:  # as OverlapLoop.step: launch n + 1, read n, then n + 1's bookkeeping
             if in_flight is not None:
                 scheduler.accept(*in_flight)
-            scheduler.advance(batch)
+            scheduler.advance_launched(batch)
             in_flight = (batch, tokens) if batch else None
         check_scheduler(scheduler)
     assert scheduler.is_finished()

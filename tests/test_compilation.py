@@ -1,19 +1,21 @@
-"""torch.compile hooks (layers/compilation.py): the layers pick eager or compiled ops
-when built, and one compiled function serves every layer (no per-layer recompiles).
-Dynamo is driven with a counting backend here, so nothing is really compiled."""
+"""Hot ops (compilation.py): the layers take the ops their platform chooses when built (a CPU's
+native twins, compiled ones on CUDA), and one compiled function serves every layer (no
+per-layer recompiles). Dynamo is driven with a counting backend here, so nothing is really
+compiled."""
 
 from collections import Counter
 
 import pytest
 import torch
 
-import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
-from nanovllm.compilation import compile_scope
+from nanovllm.compilation import compiled_ops
 from nanovllm.demo import build_tiny_qwen3
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from nanovllm.platforms.cpu import CpuPlatform
+from nanovllm.platforms.cpu.ops import NATIVE, inverse_cdf
 from nanovllm.sampling.sampler import softmax_race
 
 HOT_OPS = (rms_norm, add_rms_norm, silu_and_mul, apply_rotary_emb, softmax_race)
@@ -26,14 +28,14 @@ def norms(llm: LLM) -> list[RMSNorm]:
 def test_the_cpu_path_runs_the_native_twins(checkpoints):
     with LLM(str(checkpoints["gqa"]), device="cpu", num_kvcache_blocks=8) as llm:
         assert all(
-            n._norm is rms_norm.native and n._add_norm is add_rms_norm.native for n in norms(llm)
+            n._norm is NATIVE[rms_norm] and n._add_norm is NATIVE[add_rms_norm] for n in norms(llm)
         )
         assert all(
-            m._fn is apply_rotary_emb.native
+            m._fn is NATIVE[apply_rotary_emb]
             for m in llm.model_runner.model.modules()
             if isinstance(m, RotaryEmbedding)
         )
-        assert llm.model_runner.sampler._softmax_race is softmax_race.eager  # it has no twin
+        assert llm.model_runner.sampler._draw is inverse_cdf  # the race's twin
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def compiled_on_cpu(monkeypatch) -> Counter:
     monkeypatch.setattr(torch, "compile", lambda fn: real_compile(fn, backend=counting_backend))
     for op in HOT_OPS:
         monkeypatch.setattr(op, "_compiled", None)  # the fixture's, restored afterwards
-    monkeypatch.setattr(model_runner, "compile_scope", lambda enabled: compile_scope(True))
+    monkeypatch.setattr(CpuPlatform, "op_choice", lambda self: compiled_ops)
     torch._dynamo.reset()
     yield counts
     torch._dynamo.reset()

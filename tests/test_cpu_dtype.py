@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM
 from nanovllm.demo import build_tiny_qwen3
-from nanovllm.runner.cpu import choose_cpu_dtype, cpu_flags, physical_memory
+from nanovllm.platforms.cpu.host import choose_cpu_dtype, cpu_flags, physical_memory
 
 GIB = 2**30
 AVX2 = frozenset({"avx", "avx2", "fma"})
@@ -76,7 +76,7 @@ def test_an_explicit_dtype_is_obeyed(bf16_checkpoint):
 
 FAULTS_OF_A_REUSED_TENSOR = """
 import resource, sys, torch
-from nanovllm.runner.cpu import keep_freed_host_memory
+from nanovllm.platforms.cpu.host import keep_freed_host_memory
 if sys.argv[1] == "keep":
     assert keep_freed_host_memory()
 x = y = torch.ones(16384, 768)  # a prefill's MLP activation: 48 MiB

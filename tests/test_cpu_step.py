@@ -1,6 +1,7 @@
-"""The CPU's native decode step (runner/cpu_step.py, kernels/cpu_step.cpp): its float32 GEMM
-against a float64 reference, and the engine with it against transformers' greedy tokens and
-against the eager engine's logprobs, for every dense family, float32 and int8 weights."""
+"""The CPU's native decode step (platforms/cpu/decode_step.py, kernels/cpu_step.cpp): its
+float32 GEMM against a float64 reference, and the engine with it against transformers' greedy
+tokens and against the eager engine's logprobs, for every dense family, float32 and int8
+weights."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from conftest import hf_greedy, native_library
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_int8, cpu_step
-from nanovllm.runner.cpu_step import F32_MAX_ROWS, INT8_MAX_ROWS, NativeDecodeStep
+from nanovllm.platforms.cpu.decode_step import F32_MAX_ROWS, INT8_MAX_ROWS, NativeDecodeStep
 
 EPS32 = 2.0**-24
 
@@ -37,7 +38,7 @@ def test_f32_linear_matches_a_float64_reference(rows, threads):
 
 def _generate(path, prompts, params, **kwargs):
     with LLM(str(path), device="cpu", max_model_len=256, **kwargs) as llm:
-        runner = llm.model_runner.graph_runner
+        runner = llm.model_runner.fast_decode
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return runner, [o.outputs[0] for o in outs]
 
@@ -53,7 +54,7 @@ def test_the_native_step_decodes_as_the_eager_model(families, quantization):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for name, path in families.items():
         kwargs = dict(dtype="float32", quantization=quantization)
-        runner, native = _generate(path, PROMPTS, params, cpu_decode_step=True, **kwargs)
+        runner, native = _generate(path, PROMPTS, params, **kwargs)  # the step is the default
         if "moe" in name:
             assert runner is None, name  # MoE layers run the eager model
             continue
@@ -72,8 +73,8 @@ def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
     path = checkpoints["gqa"]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = [[5 + i, 7, 9] for i in range(F32_MAX_ROWS + 3)]
-    with LLM(str(path), device="cpu", dtype="float32", cpu_decode_step=True) as llm:
-        step = llm.model_runner.graph_runner
+    with LLM(str(path), device="cpu", dtype="float32") as llm:  # on by default
+        step = llm.model_runner.fast_decode
         assert step.can_run(F32_MAX_ROWS) and not step.can_run(F32_MAX_ROWS + 1)
         calls = []
         run = step.run
@@ -83,24 +84,20 @@ def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
         small = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
         assert calls == [1, 1]  # the two decode steps after the prefill
     assert big[0].outputs[0].token_ids == small[0].outputs[0].token_ids
-    # int8 weights run the same GEMM kernel either way: the step takes larger batches, and it
-    # is on with them unless enforce_eager
+    # int8 weights run the same GEMM kernel either way: the step takes larger batches
     if cpu_int8.load() is not None:
         with LLM(str(path), device="cpu", dtype="float32", quantization="int8") as llm:
-            step = llm.model_runner.graph_runner
+            step = llm.model_runner.fast_decode
             assert step.can_run(INT8_MAX_ROWS) and not step.can_run(INT8_MAX_ROWS + 1)
         int8 = dict(dtype="float32", quantization="int8", enforce_eager=True)
         with LLM(str(path), device="cpu", **int8) as llm:
-            assert llm.model_runner.graph_runner is None
-    # half precision runs the eager model; so does every run that does not ask for the step
-    with LLM(str(path), device="cpu", dtype="bfloat16", cpu_decode_step=True) as llm:
-        assert llm.model_runner.graph_runner is None
-    with LLM(str(path), device="cpu", dtype="float32") as llm:
-        assert llm.model_runner.graph_runner is None
-    with LLM(
-        str(path), device="cpu", dtype="float32", cpu_decode_step=True, enforce_eager=True
-    ) as llm:
-        assert llm.model_runner.graph_runner is None
+            assert llm.model_runner.fast_decode is None
+    # half precision runs the eager model; so do enforce_eager and cpu_decode_step=False
+    with LLM(str(path), device="cpu", dtype="bfloat16") as llm:
+        assert llm.model_runner.fast_decode is None
+    for off in (dict(enforce_eager=True), dict(cpu_decode_step=False)):
+        with LLM(str(path), device="cpu", dtype="float32", **off) as llm:
+            assert llm.model_runner.fast_decode is None, off
 
 
 def test_cpu_decode_step_must_be_a_bool(checkpoints):

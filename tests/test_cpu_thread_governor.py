@@ -1,12 +1,12 @@
-"""The contention governor (runner/cpu_threads.py), by plain reasoning on samples: all
+"""The contention governor (platforms/cpu/threads.py), by plain reasoning on samples: all
 threads while they get the CPU, one while they wait for it, all again once the machine has idle
 cores; its samples read from a /proc laid out in a temporary directory."""
 
 import pytest
 import torch
 
-from nanovllm.runner import cpu_threads
-from nanovllm.runner.cpu_threads import SHARED, Sample, ThreadGovernor
+from nanovllm.platforms.cpu import threads as cpu_threads
+from nanovllm.platforms.cpu.threads import SHARED, Sample, ThreadGovernor
 
 
 def fake_proc(tmp_path, run_delays_ns: list[int], idle: int, busy: int):

@@ -1,4 +1,4 @@
-"""The CPU thread count (runner/cpu_threads.py), by plain reasoning: a pure function of the
+"""The CPU thread count (platforms/cpu/threads.py), by plain reasoning: a pure function of the
 affinity mask, the cgroup quota, the environment and the config; the quota read from cgroup v1
 and v2 files laid out in a temporary directory; an engine started under a simulated quota."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.runner import cpu_threads
-from nanovllm.runner.cpu_threads import cgroup_cpu_quota, choose_num_threads, physical_cores
+from nanovllm.platforms.cpu import threads as cpu_threads
+from nanovllm.platforms.cpu.threads import cgroup_cpu_quota, choose_num_threads, physical_cores
 
 
 def test_omp_num_threads_wins_then_the_config():

@@ -19,12 +19,12 @@ from graph_cases import (
 )
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.core.sequence import PENDING
 from nanovllm.demo import build_tiny_qwen3
+from nanovllm.engine.overlap import PENDING
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
-from nanovllm.runner.cuda_graph import capture_batch_sizes
+from nanovllm.platforms.cuda.graphs import capture_batch_sizes
 from nanovllm.sampling.sampler import softmax_race
 
 pytestmark = [
@@ -67,7 +67,7 @@ def test_graphs_give_eager_mode_and_transformers_greedy_tokens(checkpoints, back
     with LLM(path, enforce_eager=True, **common) as llm:
         eager = token_ids(llm.generate(prompts, params, use_tqdm=False))
     with LLM(path, **common) as llm:
-        graphs = llm.model_runner.graph_runner
+        graphs = llm.model_runner.fast_decode
         assert sorted(graphs.graphs) == capture_batch_sizes(40)
         replays = record_replays(graphs)
         replayed = token_ids(llm.generate(prompts, params, use_tqdm=False))
@@ -85,7 +85,7 @@ def test_decode_at_the_last_position_of_max_model_len_replays_a_graph(checkpoint
     with LLM(
         path, kvcache_block_size=BLOCK, max_num_seqs=4, max_model_len=EDGE_MAX_MODEL_LEN, **F32
     ) as llm:
-        replays = record_replays(llm.model_runner.graph_runner)
+        replays = record_replays(llm.model_runner.fast_decode)
         outputs = token_ids(llm.generate(prompts, params, use_tqdm=False))
     assert replays
     assert outputs == [hf_greedy(path, tuple(p), n) for p, n in zip(prompts, lengths)]
@@ -178,8 +178,7 @@ def test_a_step_queues_its_work_without_a_host_sync(checkpoints, enforce_eager):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             kinds.add(tuple(sorted({seq.is_prefill for seq in seqs})))
-            llm.scheduler.advance(seqs)
-            llm.scheduler.accept(seqs, sampled.tolist())
+            llm.scheduler.postprocess(seqs, sampled.tolist())
     assert (False,) in kinds and any(True in kind for kind in kinds)  # decode and prefill steps
 
 
@@ -212,18 +211,18 @@ def test_enforce_eager_runs_without_graphs_or_compiled_ops(checkpoints):
     path = str(checkpoints["gqa"])
     with LLM(path, num_kvcache_blocks=16, enforce_eager=True, **FEW_GRAPHS) as llm:
         runner = llm.model_runner
-        assert runner.graph_runner is None
+        assert runner.fast_decode is None
         assert all(
             n._norm is rms_norm.eager for n in runner.model.modules() if isinstance(n, RMSNorm)
         )
     with LLM(path, num_kvcache_blocks=16, **FEW_GRAPHS) as llm:
         runner = llm.model_runner
-        assert runner.graph_runner is not None
+        assert runner.fast_decode is not None
         assert all(
             n._norm is not rms_norm.eager for n in runner.model.modules() if isinstance(n, RMSNorm)
         )
     with LLM(path, num_kvcache_blocks=16, attention_backend="torch", **FEW_GRAPHS) as llm:
-        assert llm.model_runner.graph_runner is None  # its store_kvcache syncs: decode eagerly
+        assert llm.model_runner.fast_decode is None  # its store_kvcache syncs: decode eagerly
 
 
 def test_closing_releases_the_graphs_and_the_kv_cache(checkpoints):
@@ -232,7 +231,7 @@ def test_closing_releases_the_graphs_and_the_kv_cache(checkpoints):
     def create_use_close() -> int:
         llm = LLM(path, num_kvcache_blocks=512, kvcache_block_size=BLOCK, **FEW_GRAPHS)
         llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
-        graphs = llm.model_runner.graph_runner
+        graphs = llm.model_runner.fast_decode
         llm.close()
         assert graphs.graphs == {} and all(
             getattr(graphs, buffer) is None

@@ -20,9 +20,9 @@ from nanovllm.attention.flash_attn_backend import FlashAttnBackend
 from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
 from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.attention.triton_backend import TritonBackend
-from nanovllm.runner.cuda_graph import CUDAGraphRunner, capture_batch_sizes
-from nanovllm.runner.kv_cache import block_table_width
-from nanovllm.runner.model_runner import use_cuda_graphs
+from nanovllm.core.block_manager import block_table_width
+from nanovllm.platforms.cuda import captures_decode
+from nanovllm.platforms.cuda.graphs import CUDAGraphRunner, capture_batch_sizes
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU is touched
 
@@ -49,14 +49,11 @@ def test_block_table_buffer_holds_max_model_len_plus_the_decoded_token():
     assert block_table_width(64, 16) == 5
 
 
-def test_graphs_only_on_cuda_with_a_capturable_backend_and_not_under_enforce_eager():
+def test_graphs_only_with_a_capturable_backend_and_not_under_enforce_eager():
     # the classes: their instances would import triton and flash-attn
-    assert use_cuda_graphs(CUDA, False, TritonBackend) and use_cuda_graphs(
-        CUDA, False, FlashAttnBackend
-    )
-    assert not use_cuda_graphs(CUDA, True, TritonBackend)
-    assert not use_cuda_graphs(CUDA, False, TorchBackend)  # its store_kvcache syncs the host
-    assert not use_cuda_graphs(CPU, False, TorchBackend)
+    assert captures_decode(False, TritonBackend) and captures_decode(False, FlashAttnBackend)
+    assert not captures_decode(True, TritonBackend)
+    assert not captures_decode(False, TorchBackend)  # its store_kvcache syncs the host
 
 
 def decode_metadata(
@@ -123,9 +120,9 @@ class _EagerReplay:
 def with_stand_in_graphs(llm: LLM) -> list[int]:
     runner = llm.model_runner
     config = llm.config
-    runner.graph_runner = ReplayEagerly(runner.model, config, runner.dtype, runner.device)
-    runner.graph_runner.capture()
-    return record_replays(runner.graph_runner)
+    runner.fast_decode = ReplayEagerly(runner.model, config, runner.dtype, runner.device)
+    runner.fast_decode.capture()
+    return record_replays(runner.fast_decode)
 
 
 def test_decode_through_the_padded_static_buffers_matches_transformers(checkpoints):

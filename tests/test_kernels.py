@@ -22,6 +22,8 @@ if sys.platform == "linux":  # a hard dependency there: missing, it fails, not s
 from nanovllm.attention.backend import select_backend
 from nanovllm.attention.triton_backend import import_error
 from nanovllm.kernels import interpreted
+from nanovllm.platforms.cpu import CpuPlatform
+from nanovllm.platforms.cuda import CudaPlatform
 
 KERNEL_TESTS = Path(__file__).parent / "kernels"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU is touched
@@ -50,7 +52,7 @@ def test_kernels_match_torch_reference_under_the_interpreter():
 @pytest.mark.skipif(interpreted(), reason="the interpreter is on")
 def test_triton_on_cpu_without_the_interpreter_is_a_value_error():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        select_backend("triton", CPU, 16)
+        select_backend("triton", CpuPlatform.attention_backends, CPU, 16)
 
 
 @pytest.mark.skipif(interpreted(), reason="the interpreter is on")
@@ -63,20 +65,20 @@ def test_kernel_launcher_refuses_cpu_tensors_without_the_interpreter():
 
 
 def test_auto_is_torch_on_cpu():
-    assert select_backend("auto", CPU, 16).name == "torch"
-    assert select_backend("torch", CPU, 16).name == "torch"
+    assert select_backend("auto", CpuPlatform.attention_backends, CPU, 16).name == "torch"
+    assert select_backend("torch", CpuPlatform.attention_backends, CPU, 16).name == "torch"
 
 
 def test_flash_attn_on_cpu_is_a_value_error():
     with pytest.raises(ValueError, match="flash-attn needs a CUDA device"):
-        select_backend("flash_attn", CPU, 256)
+        select_backend("flash_attn", CpuPlatform.attention_backends, CPU, 256)
 
 
 @pytest.mark.skipif(flash_attn_installed(), reason="flash-attn is installed")
 def test_missing_flash_attn_is_a_value_error_and_auto_falls_back_to_triton():
     with pytest.raises(ValueError, match="flash-attn is not installed"):
-        select_backend("flash_attn", CUDA, 256)
-    assert select_backend("auto", CUDA, 256).name == "triton"
+        select_backend("flash_attn", CudaPlatform.attention_backends, CUDA, 256)
+    assert select_backend("auto", CudaPlatform.attention_backends, CUDA, 256).name == "triton"
 
 
 @pytest.fixture
@@ -88,14 +90,14 @@ def fake_flash_attn(monkeypatch):
 
 
 def test_auto_prefers_flash_attn_when_block_size_allows(fake_flash_attn):
-    assert select_backend("auto", CUDA, 256).name == "flash_attn"
-    assert select_backend("auto", CUDA, 512).name == "flash_attn"
-    assert select_backend("auto", CUDA, 16).name == "triton"
+    assert select_backend("auto", CudaPlatform.attention_backends, CUDA, 256).name == "flash_attn"
+    assert select_backend("auto", CudaPlatform.attention_backends, CUDA, 512).name == "flash_attn"
+    assert select_backend("auto", CudaPlatform.attention_backends, CUDA, 16).name == "triton"
 
 
 def test_flash_attn_with_a_block_size_not_multiple_of_256_is_a_value_error(fake_flash_attn):
     with pytest.raises(ValueError, match="kvcache_block_size % 256 == 0, got 16"):
-        select_backend("flash_attn", CUDA, 16)
+        select_backend("flash_attn", CudaPlatform.attention_backends, CUDA, 16)
 
 
 def test_decode_splits_depend_on_shapes_only(monkeypatch):

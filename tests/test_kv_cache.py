@@ -1,10 +1,11 @@
-"""KV-cache sizing arithmetic (runner/kv_cache.py, runner/cuda.py), by plain reasoning: pure
-functions of a memory profile, so the CUDA budget is checked on the CPU with made-up devices."""
+"""KV-cache sizing arithmetic (runner/kv_cache.py, platforms/cuda/memory.py), by plain
+reasoning: pure functions of a memory profile, so the CUDA budget is checked on the CPU with
+made-up devices."""
 
 import pytest
 
 from nanovllm import LLM
-from nanovllm.runner.cuda import SAFETY_MARGIN, MemoryProfile, kv_cache_budget
+from nanovllm.platforms.cuda.memory import SAFETY_MARGIN, MemoryProfile, kv_cache_budget
 from nanovllm.runner.kv_cache import num_blocks_within
 
 GIB = 2**30

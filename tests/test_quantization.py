@@ -1,4 +1,4 @@
-"""Int8 weight-only quantization (layers/quantization.py), against independent oracles:
+"""Int8 weight-only quantization (quantization/int8.py), against independent oracles:
 
 - exact: transformers' model with each linear weight replaced by its dequantized int8 copy (the
   same per-channel rule, written out here) gives our int8 engine's prefill logits, to float32
@@ -10,6 +10,7 @@
 """
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from families import FAMILIES
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.sequence import Sequence
-from nanovllm.layers.quantization import quantize_model
+from nanovllm.platforms import Placement, Platform
+from nanovllm.quantization.int8 import Int8Weight
 from nanovllm.runner.step_inputs import prepare_inputs
 
 BLOCK = 16
@@ -115,30 +117,36 @@ def test_an_unknown_method_is_refused_by_name(checkpoints):
 
 
 def test_int8_off_the_cpu_is_refused(checkpoints):
+    """A platform other than the CPU's (CUDA's, here one on the meta device) has no int8 GEMM."""
     from transformers import AutoConfig
 
     from nanovllm.models.registry import get_model_class
 
+    class Elsewhere(Platform):
+        device = torch.device("meta")
+
     config = AutoConfig.from_pretrained(checkpoints["gqa"])
     with torch.device("meta"):
         model = get_model_class(config)(config)
+    platform = Elsewhere(SimpleNamespace(quantization="int8"), Placement(None, 1, 1))
     with pytest.raises(ValueError, match="runs on a CPU"):
-        quantize_model(model, "int8")
+        platform.prepare_weights(model)
 
 
 def test_the_float_weights_are_freed_but_a_tied_embedding_kept(checkpoints):
     with engine(checkpoints["mqa"], quantization="int8") as llm:  # mqa: a tied LM head
         model = llm.model_runner.model
-        layers = [m for m in model.modules() if hasattr(m, "packed") and m.packed is not None]
-        assert layers and all(m.packed.qweight.dtype == torch.int8 for m in layers)
-        assert all(m.packed.library is not None for m in layers)  # the C++ kernel, not a copy
+        layers = [
+            m for m in model.modules() if isinstance(getattr(m, "weight_format", None), Int8Weight)
+        ]
+        assert layers and all(m.weight_format.qweight.dtype == torch.int8 for m in layers)
+        assert all(m.weight_format.library is not None for m in layers)  # the C++ kernel
         assert model.model.embed_tokens.weight.numel() > 0  # the embedding reads float rows
         assert all(m.weight.numel() == 0 for m in layers if m is not model.lm_head)
 
 
 def test_a_long_prefill_takes_the_dequantized_copy_and_agrees_with_the_kernel(monkeypatch):
     from nanovllm.kernels import cpu_int8
-    from nanovllm.layers.quantization import Int8Weight
 
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(130, 70, generator=g), torch.randn(40, 70, generator=g)

@@ -148,10 +148,10 @@ def test_transformers4_style_config_loads_and_matches(checkpoints):
 def test_dtype_auto_takes_a_transformers4_checkpoints_torch_dtype(
     checkpoints, tmp_path, monkeypatch
 ):
-    import nanovllm.runner.cpu as cpu
+    import nanovllm.platforms.cpu.host as host
 
     # A CPU that computes bfloat16 natively keeps the checkpoint's dtype (issue 17's rule).
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(host, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     shutil.copytree(checkpoints["gqa_v4"], tmp_path / "m")
     config_path = tmp_path / "m" / "config.json"
     config = json.loads(config_path.read_text())

@@ -77,8 +77,7 @@ def test_stop_strings_do_not_match_before_min_tokens(tokenizer):
     scheduler.add(seq)
     while not seq.is_finished:  # the "model" emits ids in order, one per step
         batch, token = scheduler.schedule(), ids[seq.num_completion_tokens]
-        scheduler.advance(batch)  # appends a PENDING token
-        scheduler.accept(batch, [token])
+        scheduler.postprocess(batch, [token])
     n = seq.num_completion_tokens  # the 2nd "ab" ends after min_tokens
     assert n == where[1] and seq.finish_reason is FinishReason.STOP
     assert seq.stop_text == tokenizer.decode(ids[:n]).rsplit("ab", 1)[0]

@@ -150,8 +150,7 @@ def test_random_workloads_keep_invariants_and_finish(w):
         check_decode_first(decoding, seqs, w)
         num_tokens = sum(s.num_scheduled_tokens for s in seqs)
         tokens = runner.run(seqs)
-        scheduler.advance(seqs)
-        scheduler.accept(seqs, tokens)
+        scheduler.postprocess(seqs, tokens)
         check_step(scheduler, seqs, num_tokens, w, [s for s, _ in admitted])
     else:
         raise AssertionError("the workload did not finish: a livelock")

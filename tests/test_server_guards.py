@@ -207,7 +207,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(server):
 
 def test_memory_a_burst_of_large_requests_took_goes_back_when_idle(server):
     """Sixteen 12 MB bodies, eight at a time, refused: the event loop held their bytes and
-    strings, hundreds of MB. The CPU runner keeps freed memory for reuse (runner/cpu.py);
+    strings, hundreds of MB. The CPU runner keeps freed memory for reuse (platforms/cpu/host.py);
     once idle the server returns it, so its resident memory comes back near where it was."""
     wait_until_idle(server.port)
     time.sleep(1.5)  # past one idle trim

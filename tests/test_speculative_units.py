@@ -12,29 +12,24 @@ from invariants import check_scheduler
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import FinishReason, Sequence
-from nanovllm.engine.speculative import sample_positions
 from nanovllm.sampling.metadata import SamplingMetadataBuilder
 from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.verify import sample_positions
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.speculative.config import SpeculativeConfig, parse_speculative_config
 from nanovllm.speculative.ngram import NgramProposer, find_drafts
 from nanovllm.speculative.scheduler import SpeculativeScheduler, num_accepted_drafts
-
-
-class _Config:  # what parse_speculative_config reads of the engine's Config
-    async_scheduling = False
-
 
 # -- config ----------------------------------------------------------------------------------
 
 
 def test_config_takes_vllms_dict_and_its_json_text():
     text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
-    assert parse_speculative_config(text, _Config()) == SpeculativeConfig(3, "ngram", 4, 4)
-    assert parse_speculative_config({"num_speculative_tokens": 2}, _Config()) == (
+    assert parse_speculative_config(text, False) == SpeculativeConfig(3, "ngram", 4, 4)
+    assert parse_speculative_config({"num_speculative_tokens": 2}, False) == (
         SpeculativeConfig(2, "ngram", 5, 5)
     )
-    got = parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_min": 2}, _Config())
+    got = parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_min": 2}, False)
     assert (got.prompt_lookup_min, got.prompt_lookup_max) == (2, 2)
 
 
@@ -52,22 +47,19 @@ def test_config_takes_vllms_dict_and_its_json_text():
 )
 def test_a_bad_config_is_a_value_error_naming_the_key(value, key):
     with pytest.raises(ValueError, match=key):
-        parse_speculative_config(value, _Config())
+        parse_speculative_config(value, False)
 
 
 def test_a_config_of_the_wrong_type_is_a_type_error():
     with pytest.raises(TypeError, match="speculative_config"):
-        parse_speculative_config(4, _Config())
+        parse_speculative_config(4, False)
     with pytest.raises(TypeError, match="num_speculative_tokens"):
-        parse_speculative_config({"num_speculative_tokens": "4"}, _Config())
+        parse_speculative_config({"num_speculative_tokens": "4"}, False)
 
 
 def test_speculation_is_refused_beside_async_scheduling():
-    class Async:
-        async_scheduling = True
-
     with pytest.raises(ValueError, match="async_scheduling"):
-        parse_speculative_config({"num_speculative_tokens": 2}, Async())
+        parse_speculative_config({"num_speculative_tokens": 2}, async_scheduling=True)
 
 
 # -- the proposer ----------------------------------------------------------------------------
@@ -143,8 +135,7 @@ def prefilled(scheduler, params=None, prompt=(10, 11, 12, 13, 14, 15)) -> Sequen
     seq = Sequence(list(prompt), params, block_size=4)
     scheduler.add(seq)
     assert scheduler.schedule() == [seq] and seq.num_scheduled_tokens == 6
-    scheduler.advance([seq])
-    scheduler.accept([seq], [100])
+    scheduler.postprocess([seq], [100])
     return seq
 
 
@@ -235,8 +226,7 @@ def test_preemption_holds_as_without_drafts():
     scheduler.add(first)
     scheduler.add(second)
     assert scheduler.schedule() == [first, second]  # both prompts: all 4 blocks
-    scheduler.advance([first, second])
-    scheduler.accept([first, second], [100, 200])
+    scheduler.postprocess([first, second], [100, 200])
     proposer.drafts = [1, 2]
     # first's token needs a block: second (the newest) is preempted, as without drafts, and
     # first's drafts fit in the block it got.
@@ -258,20 +248,17 @@ def test_a_row_whose_drafts_keep_failing_backs_off_until_one_is_accepted():
             verified_at.append(step)
             scheduler.verify(seq, [9, 9, 9])  # every draft wrong
         else:
-            scheduler.advance([seq])
-            scheduler.accept([seq], [9])
+            scheduler.postprocess([seq], [9])
         check_scheduler(scheduler)
     assert verified_at == [1, 3, 7, 15]  # then 2, 4, 8 steps without drafts
     scheduler.schedule()  # step 16: still backing off
     assert seq.seq_id not in scheduler.drafts
-    scheduler.advance([seq])
-    scheduler.accept([seq], [9])
+    scheduler.postprocess([seq], [9])
     for _ in range(16):  # at step 31 it proposes again; an accepted draft ends the back-off
         scheduler.schedule()
         if seq.seq_id in scheduler.drafts:
             break
-        scheduler.advance([seq])
-        scheduler.accept([seq], [9])
+        scheduler.postprocess([seq], [9])
     scheduler.verify(seq, [1, 9, 9])
     scheduler.schedule()
     assert seq.seq_id in scheduler.drafts

@@ -269,7 +269,7 @@ def test_a_stop_string_or_an_abort_ends_a_constrained_sequence_and_its_matcher(l
     assert re.fullmatch(r"[A-Z][a-z]{1,6}", stop_out.text)
     check_output(KINDS[0], kept_out.text)
     llm.generate(prompts[:1], constrained(4, regex="[0-9]{4}"), use_tqdm=False)  # forgets
-    tracked = llm.model_runner.sampling_metadata.grammars.tracked.values()
+    tracked = llm.structured_outputs.matchers.tracked.values()
     assert not {entry.seq.request_id for entry in tracked} & set(ids)
 
 

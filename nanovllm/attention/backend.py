@@ -53,11 +53,13 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
-    """ "auto": flash_attn where it can run, else triton on CUDA, else torch. A named backend
-    that cannot run is a ValueError saying why (each backend's module says, `why_not`)."""
+def select_backend(
+    name: str, candidates: tuple[str, ...], device: torch.device, block_size: int
+) -> AttentionBackend:
+    """ "auto": the first of the platform's `candidates` that can run here (CUDA's: flash_attn,
+    triton, torch), else torch. A named backend that cannot run is a ValueError saying why
+    (each backend's module says, `why_not`)."""
     if name == "auto":
-        candidates = ("flash_attn", "triton") if device.type == "cuda" else ()
         name = next((n for n in candidates if why_not(n, device, block_size) is None), "torch")
     reason = why_not(name, device, block_size)
     if reason is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import xxhash
 
 from nanovllm.core.sequence import Sequence
+from nanovllm.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -29,6 +30,11 @@ def compute_block_hash(token_ids: tuple[int, ...], parent_hash: int | None) -> i
         h.update(parent_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     return h.intdigest()
+
+
+def block_table_width(max_model_len: int, block_size: int) -> int:
+    """Blocks of the longest sequence a decode step can see, plus the token it decodes."""
+    return cdiv(max_model_len + 1, block_size)
 
 
 class BlockManager:

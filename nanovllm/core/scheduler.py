@@ -14,7 +14,7 @@ from collections import deque
 from typing import Protocol
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.sequence import FINISHED, PENDING, RUNNING, WAITING, FinishReason, Sequence
+from nanovllm.core.sequence import FINISHED, RUNNING, WAITING, FinishReason, Sequence
 from nanovllm.utils import cdiv
 
 
@@ -95,9 +95,12 @@ class Scheduler:
         return seqs
 
     def _stalled(self) -> bool:
-        """Requests are pending and none waits for a token in flight (async scheduling)."""
-        pending = (*self.running, *self.waiting)
-        return bool(pending) and not any(seq.last_token == PENDING for seq in pending)
+        """Nothing could be scheduled, yet requests are pending."""
+        return bool(self.running or self.waiting)
+
+    def _decodable(self, seq: Sequence) -> bool:
+        """A running sequence decodes once past its prompt (not mid-prefill, not just preempted)."""
+        return not seq.is_prefill and seq.status is RUNNING
 
     def _schedule_decode(self) -> list[Sequence]:
         """A token per decoding sequence, oldest first; preempts the newest if no block is free."""
@@ -106,10 +109,8 @@ class Scheduler:
         for seq in list(self.running):
             if len(batch) == limit:
                 break
-            if seq.is_prefill or seq.status is not RUNNING:
-                continue  # mid-prefill, or preempted meanwhile
-            if seq.last_token == PENDING and seq.num_tokens >= seq.max_num_tokens:
-                continue  # its token still being computed is its last (async scheduling)
+            if not self._decodable(seq):
+                continue
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]  # newer than seq, or seq itself: never in batch
                 self.preempt(victim)
@@ -163,40 +164,43 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
 
-    def advance(self, seqs: list[Sequence]) -> None:
-        """A launched step's bookkeeping, before its tokens are read: its KV is (being) written,
-        the blocks it filled are hashed, and a sequence that reached its end holds a PENDING
-        token until accept(). With async scheduling the next step is scheduled in between."""
-        block_size = self.block_manager.block_size
-        for seq in seqs:
-            if seq.status is FINISHED:
-                continue  # ended while this step was being scheduled (async scheduling)
-            start = seq.num_cached_tokens
-            seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            if end // block_size > start // block_size:  # a block filled up
-                self.block_manager.cache_blocks(seq, start, end)
-            if end == seq.num_tokens:  # else a prefill chunk short of the end: no token
-                seq.is_prefill = False
-                seq.append_token(PENDING)
-
-    def accept(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """A step's sampled tokens in place of its PENDING ones; the sequences that took one.
-        One that ended meanwhile (finished or aborted one step earlier) drops its token."""
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """After a step: its KV bookkeeping, then its sampled tokens (one per sequence) taken by
+        the sequences whose chunk reached their end, and who ends decided. Returns the
+        sequences that took a token."""
         accepted, any_finished = [], False
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            if seq.last_token != PENDING or seq.status is FINISHED:
-                continue
-            seq.token_ids[-1] = seq.last_token = token_id
-            accepted.append(seq)
-            if (reason := self._finish_reason(seq, token_id)) is not None:
-                if seq.status is WAITING:  # preempted while its token was computed
-                    self.waiting.remove(seq)
-                self._finish(seq, reason)
-                any_finished = True
+            if self.advance(seq):
+                any_finished |= self.take_token(seq, token_id)
+                accepted.append(seq)
         if any_finished:
-            self.running = deque(s for s in self.running if not s.is_finished)
+            self.drop_finished()
         return accepted
+
+    def advance(self, seq: Sequence) -> bool:
+        """A step's KV bookkeeping: its tokens' KV is written, the blocks it filled are hashed.
+        True when the step reached the end of the sequence: it yields a token."""
+        block_size = self.block_manager.block_size
+        start = seq.num_cached_tokens
+        seq.num_cached_tokens = end = start + seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+        if end // block_size > start // block_size:  # a block filled up
+            self.block_manager.cache_blocks(seq, start, end)
+        if end < seq.num_tokens:  # a prefill chunk short of the end: no token
+            return False
+        seq.is_prefill = False
+        return True
+
+    def take_token(self, seq: Sequence, token_id: int) -> bool:
+        """seq's new token; True if it ends seq (then drop_finished() takes it off `running`)."""
+        seq.append_token(token_id)
+        if (reason := self._finish_reason(seq, token_id)) is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def drop_finished(self) -> None:
+        self.running = deque(seq for seq in self.running if not seq.is_finished)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Why seq ends with its newest token, if it does: the one place that decides. A stop token,
@@ -212,10 +216,6 @@ class Scheduler:
         return FinishReason.LENGTH if seq.num_tokens >= seq.max_num_tokens else None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.last_token == PENDING:  # aborted before its token was read
-            seq.token_ids.pop()
-            seq.num_tokens -= 1
-            seq.last_token = seq.token_ids[-1]
         seq.num_scheduled_tokens = 0
         seq.status = FINISHED
         seq.finish_reason = reason

@@ -15,8 +15,6 @@ from itertools import count
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import cdiv
 
-PENDING = -1  # a sampled token not read yet: the last one, from advance() until accept()
-
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -25,8 +23,8 @@ class SequenceStatus(Enum):
 
 
 # The statuses as module constants too: the scheduler reads them several times per sequence per
-# step, and a member read through its class costs ~70 ns more each (at 256 rows, 5% of a decode
-# step's host work: benchmarks/host_step.py).
+# step, and a module constant is a cheaper read than a member through its class
+# (benchmarks/host_step.py; docs/benchmarks.md has the figure).
 WAITING = SequenceStatus.WAITING
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED

@@ -149,9 +149,8 @@ class AsyncEngine:
         is queued. A structured output's grammar is compiled first in a thread of its own (its
         cache then answers make_request), so a slow one holds up no other request."""
         if params.structured_outputs is not None:
-            from nanovllm.structured import prepare
-
-            await asyncio.get_running_loop().run_in_executor(None, prepare, self.engine, params)
+            prepare = self.engine.prepare_structured_outputs
+            await asyncio.get_running_loop().run_in_executor(None, prepare, params)
         requests = await self.offload(self._make_requests, prompts, params)
         stream = RequestStream(requests, params, self._loop)
         self._commands.put(lambda: self._add(stream))

@@ -1,8 +1,7 @@
 """LLMEngine: `step()` is the heartbeat, schedule -> run -> postprocess. The scheduler decides
-what runs and what ends; the model runner computes a token per scheduled sequence.
-
-With async scheduling (overlap.py) or speculative decoding (speculative.py) step() is that loop
-instead, chosen once when the engine is built."""
+what runs and what ends; the model runner computes a token per scheduled sequence. How a step
+goes is its step loop's (loop.py): the synchronous one by default, or async scheduling's
+(overlap.py) or speculative decoding's (speculative.py), chosen once when the engine is built."""
 
 import os
 from dataclasses import dataclass, replace
@@ -14,15 +13,15 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence
+from nanovllm.engine.loop import StepLoop, StepResult, SyncLoop, TakenToken
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.runner.model_runner import ModelRunner
-from nanovllm.sampling.sampler import SamplerOutput
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.speculative.metrics import SpecDecodeStats
+    from nanovllm.structured import StructuredOutputs
 
 Prompt = str | list[int] | dict  # dict: vLLM's TextPrompt or TokensPrompt
 
@@ -79,23 +78,16 @@ class LLMEngine:
             config.kvcache_block_size,
             config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
-            block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            policy=config.scheduling_policy,
-        )
+        loop = select_loop(config)  # synchronous, or a seam's: async scheduling, speculation
+        self.scheduler = loop.make_scheduler(block_manager, config)
+        self.loop = loop(self.scheduler, self.model_runner)
         self.requests: dict[int, _Pending] = {}  # request id -> its state, until it finishes
-        self.loop = None  # another step loop: async scheduling's or speculation's, when on
-        if config.async_scheduling:
-            from nanovllm.engine.overlap import OverlapLoop
+        self.structured_outputs: StructuredOutputs | None = None  # with the first grammar
+        self.spec_decode: SpecDecodeStats | None = None  # drafts since the start, with speculation
+        if config.speculative_config is not None:
+            from nanovllm.speculative import metrics
 
-            self.loop = OverlapLoop(self)
-        elif config.speculative_config is not None:
-            from nanovllm.engine.speculative import SpeculativeLoop
-
-            self.loop = SpeculativeLoop(self, NewToken)
+            self.spec_decode = metrics.SpecDecodeStats()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -139,11 +131,8 @@ class LLMEngine:
             if max(params.logprobs or 0, params.prompt_logprobs or 0) > self.config.max_logprobs:
                 raise ValueError(f"logprobs may be at most max_logprobs={self.config.max_logprobs}")
             if params.structured_outputs is not None:  # its grammar compiled now: structured/
-                from nanovllm.structured import prepare
-
-                prepare(self, params)
-            if self.loop is not None:  # what it cannot do
-                self.loop.check(params)
+                self.prepare_structured_outputs(params)
+            self.loop.check(params)  # what the step loop cannot do
             self.scheduler.check_fits(len(token_ids), params.max_tokens)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None
@@ -168,6 +157,21 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, prompt
 
+    def prepare_structured_outputs(self, params: SamplingParams) -> None:
+        """Check a constrained request and compile its grammar (once per distinct constraint;
+        thread-safe: the server compiles off the engine thread). The engine's StructuredOutputs
+        is made with the first, its grammar matchers a logits hook of the sampler."""
+        from nanovllm.structured import StructuredOutputs, check_request
+
+        vocab_size = self.config.hf_config.vocab_size
+        check_request(params, self.eos_token_ids, vocab_size)
+        with StructuredOutputs.lock:
+            if self.structured_outputs is None:
+                device = self.model_runner.device
+                self.structured_outputs = StructuredOutputs(self.tokenizer, vocab_size, device)
+                self.model_runner.add_logits_hook(self.structured_outputs.matchers)
+        self.structured_outputs.compile(params.structured_outputs)
+
     def _sequences(self, request: EngineRequest) -> list[Sequence]:
         """A request's n sequences; the i-th's seed is seed + i, as vLLM's."""
         params, block_size = request.sampling_params, self.config.kvcache_block_size
@@ -186,57 +190,43 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """One step of every pending request: schedule -> run -> postprocess. An idle engine
-        does nothing."""
+        """One step of every pending request: schedule -> run -> postprocess (the step loop's).
+        An idle engine does nothing."""
         self.check_open()
         try:
-            if self.loop is not None:
-                return self.loop.step()
-            seqs = self.scheduler.schedule()
-            num_prefill, num_decode = self.count_tokens(seqs)
-            if not seqs:
-                return StepOutput([], 0, 0)
-            out = self.model_runner.run(seqs)
-            self.scheduler.advance(seqs)
-            accepted = self.postprocess(seqs, out)
+            result = self.loop.step()
         except BaseException:
             self._drop_all_requests()
             raise
-        return self.step_output(accepted, num_prefill, num_decode)
+        return self.step_output(result)
 
-    @staticmethod
-    def count_tokens(seqs: list[Sequence]) -> tuple[int, int]:
-        """(prompt tokens, decode tokens) a scheduled batch computes; decode rows come first."""
-        num_decode = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
-        return sum(seq.num_scheduled_tokens for seq in seqs[num_decode:]), num_decode
-
-    def postprocess(self, seqs: list[Sequence], out: SamplerOutput) -> list[Sequence]:
-        """A step's tokens (and logprobs) into its sequences, but those that ended while it
-        ran; the scheduler decides which finish. Returns the sequences that took a token."""
-        tokens = out.token_ids if isinstance(out.token_ids, list) else out.token_ids.tolist()
-        if out.logprobs is not None or out.prompt_logprobs is not None:
-            from nanovllm.sampling.logprobs import record_logprobs
-
-            record_logprobs(seqs, out)
-        return self.scheduler.accept(seqs, tokens)
-
-    def step_output(
-        self, accepted: list[Sequence], num_prefill: int, num_decode: int
-    ) -> StepOutput:
-        new_tokens = [  # with its logprob entry, if asked for
-            NewToken(seq.request_id, seq.index, seq.last_token, (seq.logprobs or [None])[-1])
-            for seq in accepted
+    def step_output(self, result: StepResult) -> StepOutput:
+        """The outputs of what a step did: its new tokens, and the completions and requests it
+        finished."""
+        taken = result.taken
+        if taken is None:  # a token each: with its logprob entry, if asked for
+            taken = [
+                TakenToken(s, s.last_token, (s.logprobs or [None])[-1]) for s in result.accepted
+            ]
+        new_tokens = [
+            NewToken(t.seq.request_id, t.seq.index, t.token_id, t.logprobs) for t in taken
         ]
-        finished = [self._completion_output(seq) for seq in accepted if seq.is_finished]
+        finished = [self._completion_output(seq) for seq in result.accepted if seq.is_finished]
+        if result.spec_decode is not None:
+            self.spec_decode.add(result.spec_decode)
         return StepOutput(
-            finished, num_prefill, num_decode, new_tokens, self._finish_requests(finished)
+            finished,
+            result.num_prefill_tokens,
+            result.num_decode_tokens,
+            new_tokens,
+            self._finish_requests(finished),
+            result.spec_decode,
         )
 
     def _drop_all_requests(self) -> None:
         """After a failed step: its sequences are half-updated, so every request is dropped
         and the engine stays usable."""
-        if self.loop is not None:
-            self.loop.reset()
+        self.loop.reset()
         self.scheduler.abort_all()
         self.requests.clear()
 
@@ -318,7 +308,7 @@ class LLMEngine:
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             1 - blocks.num_free_blocks / blocks.num_blocks,
-            None if self.loop is None else self.loop.spec_decode_stats(),
+            None if self.spec_decode is None else replace(self.spec_decode),
         )
 
     def check_open(self) -> None:
@@ -338,6 +328,19 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def select_loop(config: Config) -> type[StepLoop]:
+    """The step loop: synchronous, or a seam's (async scheduling, speculation) when it is on."""
+    if config.async_scheduling:
+        from nanovllm.engine.overlap import OverlapLoop
+
+        return OverlapLoop
+    if config.speculative_config is not None:
+        from nanovllm.engine.speculative import SpeculativeLoop
+
+        return SpeculativeLoop
+    return SyncLoop
 
 
 def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:

@@ -6,7 +6,7 @@ from torch import nn
 
 from nanovllm.attention.metadata import get_context
 from nanovllm.distributed.group import get_tp_group
-from nanovllm.layers.linear import ColumnParallelLinear, divide, linear
+from nanovllm.layers.linear import ColumnParallelLinear, FormattedWeight, divide
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,14 +31,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp_group.all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Logits of the rows the step asks for (logits_indices), gathered on rank 0, which samples."""
-
-    packed: torch.Tensor | None = None  # pack_linear_weights' copy, on a CPU
+class ParallelLMHead(FormattedWeight, VocabParallelEmbedding):
+    """Logits of the rows the step asks for (logits_indices), gathered on rank 0, which samples.
+    Its GEMM reads a WeightFormat when given one, as a linear layer's."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         indices = get_context().logits_indices
         if indices is not None:
             hidden_states = hidden_states[indices]
         # [num_seqs, vocab / N] on each rank -> [num_seqs, vocab] on rank 0
-        return self.tp_group.gather_last_dim(linear(hidden_states, self.weight, None, self.packed))
+        return self.tp_group.gather_last_dim(self.linear(hidden_states, None))

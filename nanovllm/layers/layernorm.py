@@ -1,18 +1,17 @@
 import torch
 from torch import nn
 
-from nanovllm.compilation import hot_op
-from nanovllm.kernels import cpu_ops
+from nanovllm.compilation import HotOp
 
 
-@hot_op(native=cpu_ops.rms_norm)
+@HotOp
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as Hugging Face's Qwen3RMSNorm does."""
     x32 = x.float()  # (torch.rms_norm measured slower on a CPU at decode sizes)
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@hot_op(native=cpu_ops.add_rms_norm)
+@HotOp
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

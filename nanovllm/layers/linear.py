@@ -4,14 +4,18 @@ parameter's `weight_loader(param, loaded, shard_id=None)` copies its shard of th
     ColumnParallelLinear   y = x W^T, W split by output rows: each rank has out/N rows
     RowParallelLinear      W split by input columns; partial sums are all-reduced
     Merged/QKV variants    several checkpoint tensors packed into one column-parallel W
+
+After loading, a platform or a quantization may give a layer a WeightFormat, which its GEMM
+then reads instead of the float weight.
 """
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.group import TPGroup, get_tp_group
-from nanovllm.kernels import cpu_step
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -39,46 +43,37 @@ def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) 
     return loaded.narrow(dim, group.rank * shard_size, shard_size)
 
 
-# Where a CPU linear's own GEMMs beat F.linear: docs/cpu.md#onednns-gemm-on-prepacked-weights.
-PACKED_MAX_ROWS = 256
-PACKED_MIN_WEIGHT = 2**16
+class WeightFormat(Protocol):
+    """A linear layer's weight in another form than its float tensor, and the GEMM that reads
+    it: given to the layer after loading by the platform (a CPU's oneDNN-packed copy,
+    platforms/cpu/weights.py) or by quantization (int8, quantization/int8.py)."""
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias), W as this format holds it."""
+        ...
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: object | None = None,
-) -> torch.Tensor:
-    """F.linear, or the layer's own GEMM over `packed`: a weight format's (int8, its `linear`:
-    layers/quantization.py), or on a CPU a blocked copy's (pack_linear_weights; cpu_step.py)."""
-    if packed is not None and not isinstance(packed, torch.Tensor):
-        return packed.linear(x, bias)
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
-        return cpu_step.packed_linear(x, weight, packed, bias)
-    return F.linear(x, weight, bias)
+class FormattedWeight:
+    """A layer whose GEMM may read its weight through a WeightFormat (None: F.linear)."""
+
+    weight_format: WeightFormat | None = None
+
+    def set_weight_format(
+        self, weight_format: WeightFormat | None, keep_weight: bool = True
+    ) -> None:
+        """Read the weight through `weight_format` from now on; `keep_weight=False` frees the
+        float weight, which the format must then not need."""
+        self.weight_format = weight_format
+        if not keep_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_format is not None:
+            return self.weight_format.linear(x, bias)
+        return F.linear(x, self.weight, bias)
 
 
-def pack_linear_weights(model: nn.Module, undo: bool = False) -> int:
-    """A CPU runner's choice: every linear (the LM head too) of at least PACKED_MIN_WEIGHT
-    elements gets a copy of its weight in oneDNN's blocked layout, beside the weight itself
-    (`undo`: drop the copies). Returns how many got one."""
-    packed = 0
-    for module in model.modules():
-        if hasattr(module, "packed"):  # LinearBase and ParallelLMHead
-            pack = not undo and module.weight.numel() >= PACKED_MIN_WEIGHT
-            module.packed = (
-                torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-                if pack
-                else None
-            )
-            packed += pack
-    return packed
-
-
-class LinearBase(nn.Module):
-    packed: torch.Tensor | None = None  # pack_linear_weights' copy, on a CPU
-
+class LinearBase(FormattedWeight, nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
         self.tp_group = get_tp_group()
@@ -94,7 +89,7 @@ class LinearBase(nn.Module):
     weight_loader = staticmethod(default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self.linear(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -159,5 +154,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by rank 0, not once per rank by the all-reduce.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed)
+        y = self.linear(x, self.bias if self.tp_rank == 0 else None)
         return self.tp_group.all_reduce(y)

@@ -8,8 +8,7 @@ import weakref
 import torch
 from torch import nn
 
-from nanovllm.compilation import hot_op
-from nanovllm.kernels import cpu_ops
+from nanovllm.compilation import HotOp
 
 ROPE_TYPES = ("default", "llama3")  # llama3: Llama 3.1's scaling (rope_scaling.py)
 # (head_dim, max_position, parameters, device) -> the cos/sin cache layers of it share; a
@@ -31,7 +30,7 @@ class RotaryEmbedding(nn.Module):
         return self._fn(positions, q, k, self.cos_sin_cache)
 
 
-@hot_op(native=cpu_ops.apply_rotary_emb)
+@HotOp
 def apply_rotary_emb(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,12 +7,14 @@
     w2_weight  [num_experts, hidden, intermediate / tp]       each expert's down
 
 TP shards every expert's intermediate dim: a partial sum per rank, all-reduced once per layer;
-the router is replicated. On CUDA: the Triton grouped GEMM (kernels/fused_moe.py), capturable."""
+the router is replicated. The experts are a hot op: on CUDA the platform gives the layer the
+Triton grouped GEMM (kernels/fused_moe.py), capturable, in their place."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.compilation import HotOp
 from nanovllm.distributed.group import get_tp_group
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import default_weight_loader, divide, rank_slice
@@ -29,6 +31,7 @@ def select_experts(
     return topk_weights.to(router_logits.dtype), topk_ids
 
 
+@HotOp
 def fused_moe_torch(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -82,11 +85,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * shard, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, shard))
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
-        self._experts = fused_moe_torch
-        if torch.get_default_device().type == "cuda":  # imports triton only then
-            from nanovllm.kernels.fused_moe import fused_moe
-
-            self._experts = fused_moe
+        self._experts = fused_moe_torch.select()  # CUDA's platform: the Triton grouped GEMM
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]

@@ -1,5 +1,5 @@
-"""The KV cache: its shape, how many blocks a budget holds, its binding to the layers. (On
-CUDA the budget itself is measured: runner/cuda.py.)
+"""The KV cache: its shape, how many blocks a budget holds, its binding to the layers. (The
+budget is the platform's: on CUDA it is measured, platforms/cuda/memory.py.)
 
     kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (K, V)
 """
@@ -7,7 +7,6 @@ CUDA the budget itself is measured: runner/cuda.py.)
 import torch
 
 from nanovllm.layers.attention import Attention
-from nanovllm.utils import cdiv
 
 
 def kv_cache_shape(layers: list[Attention], num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -22,11 +21,6 @@ def num_blocks_within(budget: int, bytes_per_block: int, hint: str) -> int:
             f"bytes; {budget} bytes left); {hint}"
         )
     return budget // bytes_per_block
-
-
-def block_table_width(max_model_len: int, block_size: int) -> int:
-    """Blocks of the longest sequence a decode step can see, plus the token it decodes."""
-    return cdiv(max_model_len + 1, block_size)
 
 
 def bind_kv_cache(layers: list[Attention], kv_cache: torch.Tensor | None) -> None:

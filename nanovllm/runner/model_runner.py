@@ -3,44 +3,42 @@
 step with `call("forward", inputs)` (the step's host-built tensors; workers never see a
 Sequence) and alone samples.
 
-Built in order: the device and dtype, the model (on CUDA with compiled small ops), on CUDA the
-memory measurements that size the KV cache (runner/cuda.py), the KV cache, then the decode CUDA
-graphs, which hold its address."""
+What differs between devices is the platform's (platforms/): the runner asks it, never which
+device it is on. Built in order: the platform (device, threads), the dtype, the model (its hot
+ops the platform's, its weights prepared by the platform once loaded), the decode fast path
+(CUDA graphs, a CPU's native step), the KV cache (its budget the platform's: measured on CUDA),
+then the fast path's capture, which holds the cache's address."""
 
 import math
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, select_backend
+from nanovllm.attention.backend import select_backend
 from nanovllm.attention.metadata import attention_context
-from nanovllm.compilation import compile_scope
+from nanovllm.compilation import ops_scope
 from nanovllm.config import Config
+from nanovllm.core.block_manager import block_table_width
 from nanovllm.core.sequence import Sequence
-from nanovllm.device import list_to_device, resolve_device, torch_dtype
+from nanovllm.device import list_to_device, torch_dtype
 from nanovllm.distributed import launched_by_torchrun
 from nanovllm.distributed.group import SINGLE_RANK, TPGroup, tp_group_scope
 from nanovllm.layers.attention import Attention
 from nanovllm.models.hf_config import checkpoint_dtype
 from nanovllm.models.loader import load_model
 from nanovllm.models.registry import get_model_class
-from nanovllm.runner import cpu
-from nanovllm.runner.cpu_threads import ThreadGovernor, set_num_threads
-from nanovllm.runner.kv_cache import (
-    bind_kv_cache,
-    block_table_width,
-    kv_cache_shape,
-    num_blocks_within,
-)
+from nanovllm.platforms import Placement, get_platform
+from nanovllm.runner.kv_cache import bind_kv_cache, kv_cache_shape, num_blocks_within
 from nanovllm.runner.step_inputs import StepInputs, prepare_inputs
-from nanovllm.sampling.metadata import SamplingMetadataBuilder
+from nanovllm.runner.warmup import largest_prefill, sampler_batches
+from nanovllm.sampling.metadata import LogitsHook, SamplingMetadataBuilder
 from nanovllm.sampling.sampler import Sampler, SamplerOutput
 
-
-def use_cuda_graphs(device: torch.device, enforce_eager: bool, backend: AttentionBackend) -> bool:
-    """On CUDA unless enforce_eager; only a backend whose decode never syncs with the host can
-    be captured."""
-    return device.type == "cuda" and not enforce_eager and backend.capturable
+if TYPE_CHECKING:
+    from nanovllm.sampling.verify import VerifyOutput
 
 
 class ModelRunner:
@@ -49,64 +47,54 @@ class ModelRunner:
         which passes the `port` of rank 0's store."""
         self.config = config
         self.block_size = config.kvcache_block_size
-        self.governor = None  # a CPU's: fewer threads while the CPU is shared (cpu_threads.py)
         self.launch = None  # torchrun's place of this process, when it started it
         if launched_by_torchrun():
             from nanovllm.distributed.launch import torchrun_launch
 
             self.launch = torchrun_launch(config.tensor_parallel_size, config.data_parallel_size)
         self.rank = rank if self.launch is None else self.launch.tp_rank
-        self.device = self._pick_device()
-        if self.device.type == "cpu":
-            cpu.keep_freed_host_memory()
-            ranks_here = config.tensor_parallel_size if self.launch is None else 1
-            threads = set_num_threads(config.cpu_threads, ranks_here)
-            if threads.chosen and threads.num_threads > 1 and ranks_here == 1:
-                self.governor = ThreadGovernor(threads.num_threads)
+        self.platform = get_platform(config, self._placement())
+        self.device = self.platform.device
         self.dtype = self._pick_dtype()
-        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
+        self.backend = select_backend(
+            config.attention_backend,
+            self.platform.attention_backends,
+            self.device,
+            self.block_size,
+        )
         self.workers = None  # rank 0's handle on the spawned ranks 1..N-1
         self.tp_group = self._init_tensor_parallel(port)
-        self.untracked_at_start = 0  # CUDA memory in use outside PyTorch before we began
-        if self.device.type == "cuda":
-            from nanovllm.runner import cuda
-
-            self.untracked_at_start = cuda.untracked_memory(self.device)
-        # On CUDA the small ops are compiled (not under enforce_eager); a CPU calls native twins.
-        with compile_scope(self.device.type == "cuda" and not config.enforce_eager):
+        with ops_scope(self.platform.op_choice()):  # the hot ops the platform chose
             self.model = self._build_model()
             self.sampler = Sampler()
-        if self.device.type == "cpu" and config.quantization is None:
-            cpu.pack_linear_weights_if_they_fit(self.model, config.tensor_parallel_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampling_metadata = SamplingMetadataBuilder(config.hf_config.vocab_size, self.device)
-        self.graph_runner = self._make_graph_runner()
+        self.fast_decode = self.platform.fast_decode(self.model, self.dtype, self.backend)
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        if self.graph_runner is not None:
-            self.graph_runner.capture()  # after the KV cache: the graphs hold its address
+        if self.fast_decode is not None:
+            self.fast_decode.capture()  # after the KV cache: it holds its address
 
     # -- building --------------------------------------------------------------------------
 
-    def _pick_device(self) -> torch.device:
-        """A GPU per rank: torchrun's LOCAL_RANK, a spawned rank's number, or the current one."""
+    def _placement(self) -> Placement:
+        """A GPU per rank: torchrun's LOCAL_RANK, a spawned rank's number, or the current one;
+        the engine's ranks on this machine share its CPUs."""
         if self.launch is not None:
-            index, needed = self.launch.local_rank, self.launch.local_rank + 1
-        elif self.config.tensor_parallel_size > 1:
-            index, needed = self.rank, self.config.tensor_parallel_size
-        else:
-            index, needed = None, 1
-        return resolve_device(self.config.device, index, needed)
+            return Placement(self.launch.local_rank, self.launch.local_rank + 1, 1)
+        tp_size = self.config.tensor_parallel_size
+        if tp_size > 1:
+            return Placement(self.rank, tp_size, tp_size)
+        return Placement(None, 1, 1)
 
     def _pick_dtype(self) -> torch.dtype:
-        """An explicit dtype is obeyed; "auto" is the checkpoint's, except on a CPU that only
-        emulates it (runner/cpu.py)."""
+        """An explicit dtype is obeyed; "auto" is the checkpoint's, or the platform's choice
+        (a CPU that only emulates it computes in float32)."""
         name = self.config.dtype
         if name == "auto":
-            name = checkpoint_dtype(self.config.hf_config)
-            if self.device.type == "cpu":
-                name = cpu.auto_dtype(name, self.config, get_model_class(self.config.hf_config))
+            model_class = get_model_class(self.config.hf_config)
+            name = self.platform.auto_dtype(checkpoint_dtype(self.config.hf_config), model_class)
         return torch_dtype(name)
 
     def _init_tensor_parallel(self, port: int) -> TPGroup:
@@ -137,23 +125,9 @@ class ModelRunner:
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
         else:
             load_model(model, self.config.model)
-        if self.config.quantization is not None:  # a weight format: quantized once loaded
-            from nanovllm.layers.quantization import quantize_model
-
-            quantize_model(model.requires_grad_(False), self.config.quantization)
-        return model.requires_grad_(False)
-
-    def _make_graph_runner(self):
-        """Decode CUDA graphs (runner/cuda_graph.py), or a CPU's native step (cpu_step.py)."""
-        if self.device.type == "cpu" and (self.config.cpu_decode_step or self.config.quantization):
-            from nanovllm.runner.cpu_step import native_decode_step
-
-            return native_decode_step(self.model, self.config, self.dtype)
-        if not use_cuda_graphs(self.device, self.config.enforce_eager, self.backend):
-            return None
-        from nanovllm.runner.cuda_graph import CUDAGraphRunner
-
-        return CUDAGraphRunner(self.model, self.config, self.dtype, self.device)
+        model.requires_grad_(False)
+        self.platform.prepare_weights(model)  # packed, or quantized: a weight format
+        return model
 
     # -- the KV cache --------------------------------------------------------------------
 
@@ -164,10 +138,8 @@ class ModelRunner:
             # Block ids are shared by all ranks: each takes the smallest count any can fit.
             fits = torch.tensor([self._blocks_that_fit()], device=self.device)
             num_blocks = int(self.tp_group.all_reduce(fits, op="min").item())
-        elif self.device.type == "cuda":
-            from nanovllm.runner import cuda
-
-            cuda.warmup(self)  # nothing to size, but kernels compile now rather than in a step
+        else:
+            self.platform.warmup(self)
         self.kv_cache = self.new_kv_cache(num_blocks)
         bind_kv_cache(self.attention_layers, self.kv_cache)
         return num_blocks
@@ -177,19 +149,38 @@ class ModelRunner:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _blocks_that_fit(self) -> int:
-        """Blocks within the memory budget, at most what max_num_seqs full-length sequences use."""
-        config = self.config
-        if self.device.type == "cuda":
-            from nanovllm.runner import cuda
-
-            budget = cuda.measure_kv_cache_budget(self)
-            hint = "lower max_model_len / max_num_batched_tokens or raise gpu_memory_utilization"
-        else:
-            budget, hint = int(config.cpu_kvcache_space_gib * 2**30), "raise cpu_kvcache_space_gib"
+        """Blocks within the platform's budget, at most what max_num_seqs full-length sequences
+        use."""
+        budget = self.platform.kv_cache_budget(self)
         block_bytes = math.prod(kv_cache_shape(self.attention_layers, 1, self.block_size))
         block_bytes *= self.dtype.itemsize
-        most = config.max_num_seqs * block_table_width(config.max_model_len, self.block_size)
-        return min(num_blocks_within(budget, block_bytes, hint), most)
+        most = self.config.max_num_seqs * block_table_width(
+            self.config.max_model_len, self.block_size
+        )
+        return min(num_blocks_within(budget, block_bytes, self.platform.kv_cache_hint), most)
+
+    @contextmanager
+    def trial_kv_cache(self) -> Iterator[None]:
+        """A one-block KV cache bound to the layers meanwhile (a platform sizing memory)."""
+        bind_kv_cache(self.attention_layers, self.new_kv_cache(1))
+        try:
+            yield
+        finally:
+            bind_kv_cache(self.attention_layers, None)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest prefill a step can hold, then (rank 0) the sampler at its most rows with
+        every option on (warmup.py): a platform reads its peak memory; compiled ops compile."""
+        self.forward(prepare_inputs(largest_prefill(self.config, self.block_size), self.block_size))
+        if self.rank != 0:
+            return
+        vocab_size = self.config.hf_config.vocab_size
+        for seqs in sampler_batches(self.config, self.block_size):
+            # A builder of its own: the penalties' counts are dropped after, the worst case.
+            metadata = SamplingMetadataBuilder(vocab_size, self.device).build(seqs)
+            logits = torch.zeros(len(seqs), vocab_size, dtype=self.dtype, device=self.device)
+            self.sampler(logits, metadata)
 
     # -- a step --------------------------------------------------------------------------
 
@@ -203,8 +194,7 @@ class ModelRunner:
         """One step: rank 0's token id per sequence and the logprobs asked for (under torchrun
         on every rank: each runs its own engine in lockstep)."""
         out = self.execute_model(seqs)
-        if self.governor is not None:
-            self.governor.after_step()
+        self.platform.after_step()
         # The step's one host sync (logprobs, when asked, had theirs in sample()).
         if out is not None:
             out = out._replace(token_ids=out.token_ids.tolist())
@@ -232,19 +222,15 @@ class ModelRunner:
         """Every rank: host-built inputs onto the device, then the model; the logits of each
         sequence's last row (on rank 0). `feed` = (the step before's sampled ids, [(row, its row
         in that step)]): rows whose input token is still on the device, taken there."""
-        if self.device.type == "cuda":
-            from nanovllm.runner.cuda import on_device
-
-            inputs = on_device(inputs, self.device)
-        input_ids, positions, ctx = inputs
+        input_ids, positions, ctx = self.platform.to_device(inputs)
         if feed is not None:
             previous_ids, pairs = feed
             rows, previous_rows = list_to_device(pairs, self.device).unbind(1)
             input_ids[rows] = previous_ids[previous_rows]
-        graphs = self.graph_runner
+        fast = self.fast_decode
         with attention_context(ctx):
-            if ctx.prefill is None and graphs is not None and graphs.can_run(len(input_ids)):
-                hidden_states = graphs.run(input_ids, positions, ctx)
+            if ctx.prefill is None and fast is not None and fast.can_run(len(input_ids)):
+                hidden_states = fast.run(input_ids, positions, ctx)
             else:
                 hidden_states = self.model(input_ids, positions)
             return self.model.compute_logits(hidden_states)
@@ -257,16 +243,49 @@ class ModelRunner:
             return sample_with_logprobs(self.sampler, self.sampling_metadata, seqs, logits)
         return SamplerOutput(self.sampler(logits, self.sampling_metadata.build(seqs)))
 
+    @torch.inference_mode()
+    def run_verify(self, seqs: list[Sequence], drafts: dict[int, list[int]]) -> "VerifyOutput":
+        """Speculative decoding's step (engine/speculative.py): a decoding sequence with d
+        `drafts` is 1 + d decode rows (step_inputs.py), each row sampled with its position's
+        settings (sampling/verify.py); the others are sampled as run() samples them."""
+        from nanovllm.sampling.verify import VerifyOutput, sample_positions, split_rows
+
+        logits = self.call("forward", prepare_inputs(seqs, self.block_size), None)
+        is_verified = [seq.seq_id in drafts for seq in seqs]
+        plain = [seq for seq, v in zip(seqs, is_verified) if not v]
+        verified = [seq for seq, v in zip(seqs, is_verified) if v]
+        # Logits rows: a verified sequence's every position; a prompt chunk's all while it
+        # owes prompt logprobs; else each sequence's last.
+        rows = [
+            seq.num_scheduled_tokens if v or seq.needs_prompt_logits else 1
+            for seq, v in zip(seqs, is_verified)
+        ]
+        plain_logits, verified_logits = split_rows(logits, rows, is_verified)
+        out = SamplerOutput([])
+        if plain:
+            out = self.sample(plain, plain_logits)
+            out = out._replace(token_ids=out.token_ids.tolist())
+        builder = self.sampling_metadata
+        sampled, entries = sample_positions(
+            self.sampler, builder, verified, drafts, verified_logits
+        )
+        self.platform.after_step()
+        return VerifyOutput(out, sampled.tolist(), entries)
+
+    def add_logits_hook(self, hook: LogitsHook) -> None:
+        """Rank 0: a per-step mask over the logits before sampling (structured outputs')."""
+        self.sampling_metadata.add_logits_hook(hook)
+
     def close(self) -> None:
-        """Free the graphs and the KV cache; rank 0 stops its workers, a worker leaves the group."""
+        """Free the fast path and the KV cache; rank 0 stops its workers, a worker leaves the
+        group."""
         if self.workers is not None:
             self._stop_workers()  # a finalizer: runs WorkerGroup.shutdown at most once
         elif self.tp_group is not SINGLE_RANK:
             self.tp_group.shutdown()
-        if self.graph_runner is not None:
-            self.graph_runner.close()
-            self.graph_runner = None
+        if self.fast_decode is not None:
+            self.fast_decode.close()
+            self.fast_decode = None
         bind_kv_cache(self.attention_layers, None)
         self.kv_cache = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # back to the device, e.g. for the next engine's sizing
+        self.platform.release_memory()

@@ -1,11 +1,15 @@
-"""A scheduled batch (decode rows first) -> the model's inputs and the step's ForwardContext,
-built on the host (what rank 0 sends tensor-parallel workers), then on the device. A sequence
-computes num_scheduled_tokens tokens from num_cached_tokens on; a new token's K/V goes to its
-slot (block_size 4):
+"""A scheduled batch (decoding sequences first) -> the model's inputs and the step's
+ForwardContext, built on the host (what rank 0 sends tensor-parallel workers); the platform puts
+them on the device. A sequence computes num_scheduled_tokens tokens from num_cached_tokens on; a
+new token's K/V goes to its slot (block_size 4):
 
     block_table = [7, 2]          position p -> slot block_table[p // 4] * 4 + p % 4
     positions     0  1  2  3 | 4  5
     slots        28 29 30 31 | 8  9
+
+A decoding sequence is one decode row, or 1 + d verifying d drafts (speculative decoding): each
+row a query at its position over the cache up to itself, all of the rows' K/V stored first, so
+each sees the drafts before it (causal attention over the chunk, on the decode path).
 """
 
 from typing import NamedTuple
@@ -29,29 +33,35 @@ def prepare_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
     input_ids, positions, lens_q = _token_rows(seqs, num_decode)
     block_tables = _block_tables(seqs)
     slots = _slot_mapping(block_tables, positions, lens_q, block_size)
-    ctx = ForwardContext(torch.from_numpy(slots), num_decode_tokens=num_decode)
-    if num_decode:  # each decode row attends over its whole context, itself included
-        context_lens = (positions[:num_decode] + 1).astype(np.int32)
+    num_decode_rows = sum(lens_q[:num_decode])
+    ctx = ForwardContext(torch.from_numpy(slots), num_decode_tokens=num_decode_rows)
+    if num_decode:  # each decode row attends over its context, itself included
+        tables = block_tables[:num_decode]
+        if num_decode_rows > num_decode:  # rows verifying drafts: their table each
+            tables = np.repeat(tables, lens_q[:num_decode], axis=0)
+        context_lens = (positions[:num_decode_rows] + 1).astype(np.int32)
         ctx.decode = AttentionMetadata(
-            torch.from_numpy(block_tables[:num_decode]), context_lens=torch.from_numpy(context_lens)
+            torch.from_numpy(tables), context_lens=torch.from_numpy(context_lens)
         )
     if num_decode < len(seqs):
         ctx.prefill = _prefill_metadata(seqs[num_decode:], block_tables[num_decode:])
-        ctx.logits_indices = _logits_indices(seqs, lens_q)
+        ctx.logits_indices = _logits_indices(seqs, lens_q, num_decode)
     return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), ctx)
 
 
 def _token_rows(seqs: list[Sequence], num_decode: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Token ids and positions [num_tokens] int64: a decode row's last token, then each prefill
-    chunk's tokens; and each sequence's number of rows (lens_q)."""
-    decode, prefill = seqs[:num_decode], seqs[num_decode:]
+    """Token ids and positions [num_tokens] int64: each decoding sequence's row (its last token),
+    then each prefill chunk's tokens; and each sequence's number of rows (lens_q)."""
+    lens_q = [seq.num_scheduled_tokens for seq in seqs]
+    decode, chunks = seqs[:num_decode], seqs[num_decode:]
+    if sum(lens_q[:num_decode]) > num_decode:  # some verify drafts: rows as a chunk's
+        decode, chunks = [], seqs
     input_ids = [seq.last_token for seq in decode]
     positions = [seq.num_tokens - 1 for seq in decode]
-    for seq in prefill:
+    for seq in chunks:
         start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
-    lens_q = [1] * num_decode + [seq.num_scheduled_tokens for seq in prefill]
     return np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64), lens_q
 
 
@@ -77,12 +87,15 @@ def _block_tables(seqs: list[Sequence]) -> np.ndarray:
     return padded
 
 
-def _logits_indices(seqs: list[Sequence], lens_q: list[int]) -> torch.Tensor:
-    """The rows the LM head computes: each sequence's last, or its last logits_rows()."""
+def _logits_indices(seqs: list[Sequence], lens_q: list[int], num_decode: int) -> torch.Tensor:
+    """The rows the LM head computes: every decode row, then each prompt chunk's last, or its
+    last logits_rows()."""
     ends = torch.tensor(lens_q).cumsum(0)
     rows = logits_rows(seqs)
-    if rows is None:
+    if rows is None and sum(lens_q[:num_decode]) == num_decode:
         return ends - 1
+    rows = rows or [1] * len(seqs)
+    rows[:num_decode] = lens_q[:num_decode]
     return torch.cat([torch.arange(end - n, end) for end, n in zip(ends.tolist(), rows)])
 
 

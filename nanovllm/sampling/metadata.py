@@ -1,7 +1,7 @@
 """What the sampler needs to know about a batch (a None field: no row needs it), from rank 0."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -13,7 +13,24 @@ if TYPE_CHECKING:
     from nanovllm.sampling.filters import Filters
     from nanovllm.sampling.penalties import Penalties, TokenCounts
     from nanovllm.sampling.seeded import SeededRows
-    from nanovllm.structured.matchers import GrammarMask, GrammarMatchers
+
+
+class LogitsMask(Protocol):
+    """What a logits hook makes of a batch: the tokens some of its rows may not sample."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """-inf, in place, where a row may not sample a token ([B, vocab] float32)."""
+        ...
+
+
+class LogitsHook(Protocol):
+    """A seam of the sampler: each step, a mask over the logits before sampling, from state the
+    hook keeps across steps (structured outputs' grammar matchers, structured/matchers.py).
+    Given to the runner (ModelRunner.add_logits_hook) by the feature that owns it."""
+
+    def build(self, seqs: list[Sequence]) -> LogitsMask | None:
+        """This batch's mask; None when it constrains no row."""
+        ...
 
 
 @dataclass(slots=True)
@@ -27,17 +44,20 @@ class SamplingMetadata:
     penalties: "Penalties | None" = None  # penalties.py
     filters: "Filters | None" = None  # top-k, top-p, min-p: filters.py
     seeds: "SeededRows | None" = None  # the seeded sampled rows: seeded.py
-    grammar: "GrammarMask | None" = None  # structured outputs' token bitmask: structured/
+    masks: tuple[LogitsMask, ...] = ()  # the logits hooks' (structured outputs' grammars)
 
 
 class SamplingMetadataBuilder:
     """Builds each step's SamplingMetadata on rank 0. It keeps, across steps, what penalties
-    count (penalties.py's TokenCounts) and grammars' matchers (structured/), made once asked."""
+    count (penalties.py's TokenCounts, made once asked) and the logits hooks it was given."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.token_counts: TokenCounts | None = None
-        self.grammars: GrammarMatchers | None = None  # set by structured.prepare(), if asked
+        self.logits_hooks: list[LogitsHook] = []
+
+    def add_logits_hook(self, hook: LogitsHook) -> None:
+        self.logits_hooks.append(hook)
 
     def build(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The per-row tensors of a batch, on the device; features no row uses stay None.
@@ -64,11 +84,10 @@ class SamplingMetadataBuilder:
 
             m.bias = build_bias(seqs, self.put)
         if any(p.has_penalties for p in params):
-            from nanovllm.sampling.penalties import build_penalties
-
-            m.penalties = build_penalties(seqs, self)
-        if any(p.structured_outputs is not None for p in params):
-            m.grammar = self.grammars.build(seqs)
+            m.penalties = self._penalties(seqs)
+        if self.logits_hooks:
+            masks = (hook.build(seqs) for hook in self.logits_hooks)
+            m.masks = tuple(mask for mask in masks if mask is not None)
         if not m.all_greedy:
             if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
                 from nanovllm.sampling.filters import build_filters
@@ -82,3 +101,11 @@ class SamplingMetadataBuilder:
 
     def put(self, data: list | np.ndarray) -> torch.Tensor:
         return list_to_device(data, self.device)
+
+    def _penalties(self, seqs: list[Sequence]) -> "Penalties | None":
+        """The penalized rows, their token counts kept here from the first penalized batch on."""
+        from nanovllm.sampling.penalties import TokenCounts, build_penalties
+
+        if self.token_counts is None:
+            self.token_counts = TokenCounts(self.vocab_size, self.device)
+        return build_penalties(seqs, self.token_counts, self.put)

@@ -2,17 +2,14 @@
 (imported only once a request asks for one). Each penalized sequence's token counts stay on the
 device across steps (TokenCounts), so a step sends only the tokens appended since the last."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.device import list_to_device
-
-if TYPE_CHECKING:
-    from nanovllm.sampling.metadata import SamplingMetadataBuilder
 
 
 @dataclass(slots=True)
@@ -55,15 +52,14 @@ def apply_penalties(
     return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
 
 
-def build_penalties(seqs: list[Sequence], builder: "SamplingMetadataBuilder") -> Penalties | None:
-    """The penalized rows of a batch, their counts updated (kept by the builder from the first
-    penalized batch on); None when no row has a penalty."""
+def build_penalties(
+    seqs: list[Sequence], counts: "TokenCounts", put: Callable[[list], torch.Tensor]
+) -> Penalties | None:
+    """The penalized rows of a batch, their `counts` updated; None when no row has a penalty.
+    `put`: a list onto the logits' device."""
     rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.has_penalties]
     if not rows:
         return None
-    if builder.token_counts is None:
-        builder.token_counts = TokenCounts(builder.vocab_size, builder.device)
-    counts, put = builder.token_counts, builder.put
     slots = counts.update([seqs[i] for i in rows])
     params = [seqs[i].sampling_params for i in rows]
     repetition, presence, frequency = put(

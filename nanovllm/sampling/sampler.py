@@ -1,12 +1,13 @@
 """One token id per row of logits, every row with its own settings (vLLM's), in one pass:
 
-    logit bias (min_tokens: stop ids -inf) -> penalties -> grammar -> [greedy rows: argmax]
+    logit bias (min_tokens: stop ids -inf) -> penalties -> masks -> [greedy rows: argmax]
                                                        -> temperature -> top-k/p, min-p -> sample
 
 What a request may ask beyond a temperature is in a module of its own, imported only when a
-batch asks: bias.py (logit_bias, min_tokens), penalties.py, structured/ (grammars), filters.py
-(top-k/p, min-p), seeded.py (seeds). The draw is sampling/ops.py's: the exponential race, or on
-a CPU the inverse CDF."""
+batch asks: bias.py (logit_bias, min_tokens), penalties.py, filters.py (top-k/p, min-p),
+seeded.py (seeds); masks come from logits hooks (metadata.py's LogitsHook: structured outputs'
+grammars). The draw is sampling/ops.py's exponential race, or the
+platform's twin of it (a CPU's: the inverse CDF)."""
 
 from typing import NamedTuple
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from nanovllm.sampling.metadata import SamplingMetadata
-from nanovllm.sampling.ops import inverse_cdf, softmax_race
+from nanovllm.sampling.ops import softmax_race
 
 
 class SamplerOutput(NamedTuple):
@@ -28,7 +29,7 @@ class SamplerOutput(NamedTuple):
 class Sampler(nn.Module):
     def __init__(self):
         super().__init__()
-        self._softmax_race = softmax_race.select()  # compiled on CUDA: one fused pass
+        self._draw = softmax_race.select()  # the platform's: compiled on CUDA, a CPU's own
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [B, vocab] -> token ids [B]. The logits are overwritten."""
@@ -39,8 +40,8 @@ class Sampler(nn.Module):
             logits[rows, ids] += values
         if m.penalties is not None:
             m.penalties.apply(logits)
-        if m.grammar is not None:  # structured outputs: -inf where a row's grammar forbids
-            m.grammar.apply(logits)
+        for mask in m.masks:  # the logits hooks' (structured outputs': the grammars')
+            mask.apply(logits)
         greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
         if m.all_greedy:
             return greedy_ids
@@ -49,8 +50,6 @@ class Sampler(nn.Module):
             logits = m.filters.apply(logits)
         if m.seeds is not None:  # a seeded row's noise is a hash of (seed, step, token id)
             sampled = m.seeds.sample(logits)
-        elif logits.is_cpu:
-            sampled = inverse_cdf(logits)
         else:
-            sampled = self._softmax_race(logits)
+            sampled = self._draw(logits)
         return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)

@@ -9,13 +9,9 @@ and both default to 5."""
 
 import json
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 from nanovllm.distributed import launched_by_torchrun
 from nanovllm.utils import check_choice, check_int
-
-if TYPE_CHECKING:
-    from nanovllm.config import Config
 
 METHODS = ("ngram",)
 DEFAULT_LOOKUP = 5  # vLLM's, when neither prompt_lookup_min nor _max is given
@@ -40,12 +36,12 @@ class SpeculativeConfig:
             )
 
 
-def parse_speculative_config(value: object, config: "Config") -> SpeculativeConfig:
+def parse_speculative_config(value: object, async_scheduling: bool) -> SpeculativeConfig:
     """A SpeculativeConfig from a dict, its JSON text or a SpeculativeConfig; unknown or missing
     keys and bad values are a ValueError (TypeError for a wrong type) naming the key. Refused
     beside async scheduling (one alternative step loop at a time) and under torchrun (each
     rank would have to gather rank 0's verified tokens)."""
-    if config.async_scheduling:
+    if async_scheduling:
         raise ValueError("speculative_config cannot be combined with async_scheduling=True")
     if launched_by_torchrun():
         raise ValueError("speculative_config is not supported in a process torchrun started")

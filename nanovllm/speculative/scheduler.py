@@ -11,14 +11,14 @@ step's budget, with slots for all of them, and after the step keeps what was acc
                                                 blocks whole in accepted KV hashed
 
 The drafts sit in the sequence's token ids (num_scheduled_tokens = 1 + d) from schedule() until
-verify(), which rolls them back and feeds the taken tokens one at a time to accept(), so stop
+verify(), which rolls them back and feeds the taken tokens one at a time to take_token(), so stop
 tokens, stop strings, min_tokens and the length limit decide as without speculation (a stop
 inside the accepted drafts ends the sequence there)."""
 
 from typing import NamedTuple
 
 from nanovllm.core.scheduler import Scheduler
-from nanovllm.core.sequence import PENDING, FinishReason, Sequence
+from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.speculative.ngram import NgramProposer
 from nanovllm.utils import cdiv
 
@@ -104,10 +104,9 @@ class SpeculativeScheduler(Scheduler):
         seq.num_tokens = num_tokens
         taken = []
         for token_id in sampled[: num_accepted + 1]:
-            seq.append_token(PENDING)
-            self.accept([seq], [token_id])
             taken.append(token_id)
-            if seq.is_finished:
+            if self.take_token(seq, token_id):
+                self.drop_finished()
                 break
         return Verified(taken, num_accepted)
 

@@ -1,6 +1,7 @@
 """The data plane's side of structured outputs: each constrained sequence's grammar matcher
-(xgrammar's GrammarMatcher, keyed by seq_id) and a step's token bitmask. Rank 0's sampling
-metadata builder holds the GrammarMatchers once a request has asked (structured.prepare).
+(xgrammar's GrammarMatcher, keyed by seq_id) and a step's token bitmask. The GrammarMatchers
+are a logits hook of rank 0's sampler (sampling/metadata.py's LogitsHook), given it by the engine
+with its first constrained request.
 
 A matcher is advanced lazily, as penalties' token counts are: each step that samples a
 constrained sequence first feeds its matcher the tokens the sequence took since the last one,
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.core.sequence import PENDING, Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.device import to_device
 from nanovllm.kernels import cpu_bitmask
 from nanovllm.structured.grammars import Grammars
@@ -90,7 +91,8 @@ class GrammarMatchers:
         so one batch call a step."""
         behind = [(e, e.seq.token_ids[e.seq.num_prompt_tokens + e.num_accepted :]) for e in entries]
         while behind := [(entry, new) for entry, new in behind if new]:
-            assert all(new[0] != PENDING for _, new in behind), "a token not read yet"
+            # token ids are >= 0; async scheduling's placeholder for one not read yet is not
+            assert all(new[0] >= 0 for _, new in behind), "a token not read yet"
             tokens = [new[0] for _, new in behind]
             accepted = self.batch.batch_accept_token([e.matcher for e, _ in behind], tokens)
             for (entry, _), token, ok in zip(behind, tokens, accepted):

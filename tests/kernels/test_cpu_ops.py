@@ -12,6 +12,7 @@ from conftest import native_library
 from nanovllm.kernels import cpu_ops
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb, get_rope
+from nanovllm.platforms.cpu.ops import NATIVE
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ class Spy:
 def test_rms_norm_is_the_eager_op(dtype, rows, hidden):
     x, weight = randn(rows, hidden, dtype=dtype), randn(hidden, dtype=dtype, seed=2)
     expected = rms_norm.eager(x, weight, 1e-6)
-    out = rms_norm.native(x, weight, 1e-6)
+    out = NATIVE[rms_norm](x, weight, 1e-6)
     assert out.dtype == dtype and out.shape == x.shape
     assert torch.equal(out, expected)
 
@@ -76,7 +77,7 @@ def test_add_rms_norm_is_the_eager_op_and_leaves_its_inputs(dtype, rows, hidden)
     x, residual = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype, seed=3)
     weight = randn(hidden, dtype=dtype, seed=2)
     inputs = [t.clone() for t in (x, residual, weight)]
-    normed, total = add_rms_norm.native(x, residual, weight, 1e-6)
+    normed, total = NATIVE[add_rms_norm](x, residual, weight, 1e-6)
     expected_normed, expected_total = add_rms_norm.eager(x, residual, weight, 1e-6)
     assert torch.equal(total, expected_total) and torch.equal(normed, expected_normed)
     assert all(torch.equal(a, b) for a, b in zip((x, residual, weight), inputs))
@@ -87,7 +88,7 @@ def test_q_and_k_norm_over_each_head_of_a_qkv_view(dtype, rows, heads, kv_heads,
     q, k = qk_views(rows, heads, kv_heads, head_dim, dtype)
     weight = randn(head_dim, dtype=dtype, seed=2)
     for x in (q, k):
-        assert torch.equal(rms_norm.native(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+        assert torch.equal(NATIVE[rms_norm](x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
 
 
 @built
@@ -96,7 +97,7 @@ def test_q_and_k_norm_over_each_head_of_a_qkv_view(dtype, rows, heads, kv_heads,
 def test_long_rows_sum_in_pytorchs_order(dtype, hidden):
     """Rows long enough for the second, third and fourth levels of PyTorch's cascade sum."""
     x, weight = randn(2, hidden, dtype=dtype), randn(hidden, dtype=dtype, seed=2)
-    assert torch.equal(rms_norm.native(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+    assert torch.equal(NATIVE[rms_norm](x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
 
 
 @built
@@ -107,7 +108,7 @@ def test_rows_around_the_vector_width_sum_in_pytorchs_order(dtype):
     each, so that a wrong lane count or tail order shows in some row's last bit."""
     for hidden in (*range(1, 18), 31, 33, 63, 65, 127, 129, 511, 513, 4095):
         x, weight = randn(64, hidden, dtype=dtype, seed=hidden), randn(hidden, dtype=dtype, seed=2)
-        out = rms_norm.native(x, weight, 1e-6)
+        out = NATIVE[rms_norm](x, weight, 1e-6)
         assert torch.equal(out, rms_norm.eager(x, weight, 1e-6)), f"hidden {hidden}"
 
 
@@ -119,7 +120,7 @@ def test_a_lone_long_row_on_two_threads_is_the_eager_op():
     try:
         for seed in range(4):  # seeds 0 and 2 differed in the last bit before the fallback
             x, weight = randn(1, 40_000, seed=seed), randn(40_000, seed=9)
-            assert torch.equal(rms_norm.native(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+            assert torch.equal(NATIVE[rms_norm](x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
     finally:
         torch.set_num_threads(threads)
 
@@ -127,11 +128,11 @@ def test_a_lone_long_row_on_two_threads_is_the_eager_op():
 @built
 def test_eps_is_honoured():
     x, weight = 1e-3 * randn(4, 64), randn(64, seed=2)
-    small, large = rms_norm.native(x, weight, 1e-6), rms_norm.native(x, weight, 1e-2)
+    small, large = NATIVE[rms_norm](x, weight, 1e-6), NATIVE[rms_norm](x, weight, 1e-2)
     assert not torch.equal(small, large)
     assert torch.equal(large, rms_norm.eager(x, weight, 1e-2))
     assert torch.equal(
-        add_rms_norm.native(x, x, weight, 1e-2)[0], add_rms_norm.eager(x, x, weight, 1e-2)[0]
+        NATIVE[add_rms_norm](x, x, weight, 1e-2)[0], add_rms_norm.eager(x, x, weight, 1e-2)[0]
     )
 
 
@@ -144,7 +145,7 @@ def test_rotary_is_the_eager_op_and_leaves_its_inputs(dtype, rows, heads, kv_hea
     )
     positions[0] = MAX_POSITION - 1
     inputs = [t.clone() for t in (q, k, positions, cache)]
-    q_out, k_out = apply_rotary_emb.native(positions, q, k, cache)
+    q_out, k_out = NATIVE[apply_rotary_emb](positions, q, k, cache)
     expected_q, expected_k = apply_rotary_emb.eager(positions, q, k, cache)
     assert q_out.shape == q.shape and k_out.shape == k.shape
     assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
@@ -156,7 +157,7 @@ def test_a_position_outside_the_cache_is_an_index_error():
     q, k = qk_views(3, 2, 1, 16, torch.float32)
     cache = get_rope(16, 64, {"rope_theta": 1e4}).cos_sin_cache
     with pytest.raises(IndexError, match="position 64"):
-        apply_rotary_emb.native(torch.tensor([0, 64, 1]), q, k, cache)
+        NATIVE[apply_rotary_emb](torch.tensor([0, 64, 1]), q, k, cache)
 
 
 @built
@@ -171,7 +172,10 @@ def test_two_threads_give_the_one_threads_result():
         for n in (1, 2):
             torch.set_num_threads(n)
             outs.append(
-                (rms_norm.native(x, weight, 1e-6), *apply_rotary_emb.native(positions, q, k, cache))
+                (
+                    NATIVE[rms_norm](x, weight, 1e-6),
+                    *NATIVE[apply_rotary_emb](positions, q, k, cache),
+                )
             )
     finally:
         torch.set_num_threads(threads)
@@ -189,7 +193,7 @@ def test_without_the_library_the_eager_ops_run(monkeypatch):
         (apply_rotary_emb, (torch.tensor([0, 5, 63]), q, k, cache)),
     ):
         eager = Spy(op.eager)
-        out = op.native.func(eager, *args)  # the twin, given the spy as its eager op
+        out = NATIVE[op].func(eager, *args)  # the twin, given the spy as its eager op
         assert eager.calls == 1 and torch.equal(out[0], op.eager(*args)[0])
 
 
@@ -216,5 +220,5 @@ def unindexed_cases() -> dict:
 def test_what_the_kernel_does_not_index_runs_eagerly(case):
     op, args = unindexed_cases()[case]
     eager = Spy(op.eager)
-    out = op.native.func(eager, *args)
+    out = NATIVE[op].func(eager, *args)
     assert eager.calls == 1 and torch.equal(out[0], op.eager(*args)[0])

@@ -14,7 +14,7 @@ import torch
 from conftest import native_library
 
 from nanovllm.kernels import cpu_sample
-from nanovllm.sampling.ops import inverse_cdf
+from nanovllm.platforms.cpu.ops import inverse_cdf
 
 F64 = torch.float64
 C = 64  # cpu_sample.cpp's CHUNK: the edges the cases put weight on and around

@@ -11,7 +11,7 @@ rows than the kernel pays at, by a dequantized copy made for the call. Activatio
 model's dtype. The token embedding stays float (a lookup reads a few rows; tied to the LM head, the
 head quantizes its own copy). Qwen3-MoE's router (a replicated linear, tiny, and its scores pick
 the experts) and experts (their GEMMs are not linear layers) stay float too, as in vLLM. Imported
-only when quantization is asked for; on a CPU only.
+only when quantization is asked for, by a platform that runs it (a CPU's).
 """
 
 import torch
@@ -19,10 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_int8
-from nanovllm.layers.embed_head import ParallelLMHead
-from nanovllm.layers.linear import LinearBase, ReplicatedLinear
+from nanovllm.layers.linear import FormattedWeight, ReplicatedLinear
 
-QUANTIZATIONS = ("int8",)
 # Rows (a prefill chunk) above which a dequantized float copy and F.linear beat the int8 kernel,
 # by the kernel's vector width (benchmarks/cpu_int8.py, 1 thread, float32, Intel Xeon): with
 # 16-float vectors (AVX-512, AMX or not) the kernel won to about 2,048 rows on Qwen3-0.6B's
@@ -31,7 +29,7 @@ KERNEL_MAX_ROWS = {16: 2048, 8: 128}
 
 
 class Int8Weight:
-    """A layer's weight in int8 with its per-channel scales; `linear` is the layer's GEMM."""
+    """A layer's weight in int8 with its per-channel scales (a WeightFormat, layers/linear.py)."""
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
@@ -58,23 +56,16 @@ class Int8Weight:
         return panels[: self.out_features]
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
+def quantize_int8(model: nn.Module) -> int:
     """Quantize every linear layer (and the LM head) of a loaded model in place; the count."""
-    assert method in QUANTIZATIONS, method  # Config checked it
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise ValueError(
-            f"quantization={method!r} runs on a CPU (its GEMM is a CPU kernel), not on "
-            f"{device.type}; pass device='cpu', or no quantization"
-        )
     count = 0
     for module in model.modules():
         if isinstance(module, ReplicatedLinear):
             continue  # an MoE router: see the top
-        if isinstance(module, (LinearBase, ParallelLMHead)):
-            module.packed = Int8Weight(module.weight.detach())
-            if not _shared(model, module.weight):  # a tied LM head keeps the embedding's
-                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        if isinstance(module, FormattedWeight):
+            weight = module.weight.detach()
+            # a tied LM head keeps the embedding's float weight, which the lookup reads
+            module.set_weight_format(Int8Weight(weight), keep_weight=_shared(model, module.weight))
             count += 1
     return count
 

@@ -1,6 +1,6 @@
-"""What a CPU runner does differently: it keeps freed memory for reuse, runs float32 where the
-CPU only emulates the checkpoint's half precision, and keeps oneDNN-packed copies of the
-linears' weights for decode-sized GEMMs (docs/cpu.md has the measurements behind each)."""
+"""The host a CPU run computes on: what precision it computes natively (dtype="auto" takes
+float32 where the checkpoint's half precision is only emulated), its RAM, and glibc's habit of
+giving freed memory back (docs/cpu.md has the measurements behind each)."""
 
 import ctypes
 import ctypes.util
@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from nanovllm.config import Config
-from nanovllm.layers.linear import pack_linear_weights
 
 logger = logging.getLogger("nanovllm")
 
@@ -100,23 +99,3 @@ def float32_bytes(config: Config, model_class: type[nn.Module]) -> int:
         model = model_class(config.hf_config)
     kv_bytes = config.tensor_parallel_size * config.cpu_kvcache_space_gib * 2**30
     return 4 * sum(p.numel() for p in model.parameters()) + int(kv_bytes)
-
-
-def pack_linear_weights_if_they_fit(model: nn.Module, tp_size: int) -> None:
-    """oneDNN-packed copies of the linears' weights (faster GEMMs at decode sizes) when the
-    copies of every rank fit in a quarter of the RAM; else, or where oneDNN cannot pack this
-    dtype, MKL's F.linear alone."""
-    copies = tp_size * sum(p.numel() * p.element_size() for p in model.parameters())  # at most
-    if not torch.backends.mkldnn.is_available():
-        choice = "F.linear only (oneDNN is unavailable)"
-    elif copies > physical_memory() // 4:
-        gib = copies / 2**30
-        choice = f"F.linear only ({gib:.1f} GiB of copies would exceed a quarter of the RAM)"
-    else:
-        try:
-            packed = pack_linear_weights(model)
-            choice = f"oneDNN-packed weights for {packed} layers (smaller ones: F.linear)"
-        except RuntimeError as e:  # e.g. bfloat16 without avx512 / avx_ne_convert
-            choice = f"F.linear only ({str(e).splitlines()[0]})"
-            pack_linear_weights(model, undo=True)
-    logger.info("CPU linears: %s", choice)

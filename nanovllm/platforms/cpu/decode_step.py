@@ -1,10 +1,10 @@
 """A CPU's decode step in one native call (kernels/cpu_step.py), its counterpart of the CUDA
-graphs: the embedding, every layer and the final norm of a dense decoder (Qwen3, Qwen2, Llama,
-Mistral) for small decode batches (F32_MAX_ROWS rows, INT8_MAX_ROWS with int8 weights), with no
-PyTorch op between. Everything else (prefill chunks, larger batches, MoE, tensor parallelism,
-half precision, enforce_eager) runs the eager model. A cpu-small step of one sequence spent ~2/3
-of its time in the ~25 PyTorch ops of each layer around its GEMVs (the figures:
-docs/cpu.md#the-native-decode-step)."""
+graphs (a FastDecode, platforms/interface.py): the embedding, every layer and the final norm of
+a dense decoder (Qwen3, Qwen2, Llama, Mistral) for small decode batches (F32_MAX_ROWS rows,
+INT8_MAX_ROWS with int8 weights), with no PyTorch op between. Everything else (prefill chunks,
+larger batches, MoE, tensor parallelism, half precision, enforce_eager) runs the eager model. In
+a small model's decode step most of the time went to the PyTorch ops around each layer's GEMVs
+(the figures: docs/cpu.md#the-native-decode-step)."""
 
 import torch
 from torch import nn
@@ -15,13 +15,15 @@ from nanovllm.kernels import cpu_int8, cpu_step
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
 
 # The most decode rows a step runs natively (docs/cpu.md#the-native-decode-step): float32 GEMMs of
-# more rows ran faster through oneDNN's packed weights (runner/cpu.py) at Qwen3-0.6B's shape; int8
+# more rows ran faster through oneDNN's packed weights (weights.py) at Qwen3-0.6B's shape; int8
 # weights take the same kernel either way, up to where the eager path dequantizes them (AVX2).
 F32_MAX_ROWS = 4
 INT8_MAX_ROWS = 128
 
 
-def native_decode_step(model: nn.Module, config: Config, dtype: torch.dtype):
+def native_decode_step(
+    model: nn.Module, config: Config, dtype: torch.dtype
+) -> "NativeDecodeStep | None":
     """The step for this model where it can run it, else None."""
     dense = isinstance(model, DecoderForCausalLM) and all(
         isinstance(layer.mlp, DecoderMLP) for layer in model.model.layers
@@ -88,10 +90,8 @@ class NativeDecodeStep:
 
 
 def _linear(layer: nn.Module, int8: bool) -> cpu_step.Linear:
-    """A float32 weight, or the int8 kernel's panels (layers/quantization.py's Int8Weight)."""
+    """A float32 weight, or the int8 kernel's panels (quantization/int8.py's Int8Weight)."""
     if not int8:
         return cpu_step.Linear(layer.weight, layer.bias)
-    packed = layer.packed
-    return cpu_step.Linear(
-        packed.qweight, layer.bias, packed.scale, packed.out_features, packed.in_features
-    )
+    q = layer.weight_format
+    return cpu_step.Linear(q.qweight, layer.bias, q.scale, q.out_features, q.in_features)

@@ -1,4 +1,5 @@
-"""Decode CUDA graphs (docs/cuda.md): a batch of n replays the smallest captured size >= n
+"""Decode CUDA graphs (docs/cuda.md), the CUDA platform's decode fast path (a FastDecode,
+platforms/interface.py): a batch of n replays the smallest captured size >= n
 from static buffers whose rows n.. are padding:
 
     row             0 .. n-1                       n .. size-1 (padding)
@@ -17,7 +18,7 @@ from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata, ForwardContext, attention_context
 from nanovllm.config import Config
-from nanovllm.runner.kv_cache import block_table_width
+from nanovllm.core.block_manager import block_table_width
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
