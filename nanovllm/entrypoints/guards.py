@@ -151,8 +151,8 @@ class APIKeyMiddleware:
 class IdleTrim:
     """Returns freed heap memory to the system (glibc's malloc_trim) once no request has
     been in flight for IDLE_TRIM_S, if one ran since the last time. On a CPU the runner asks
-    glibc to keep freed memory (prefill activations page-fault ~7x slower otherwise,
-    runner/cpu.py); trimming only when idle keeps that gain under load, at the price of the
+    glibc to keep freed memory (prefill activations page-fault otherwise: docs/cpu.md,
+    platforms/cpu/host.py); trimming only when idle keeps that gain under load, at the price of the
     first step after an idle second faulting its pages in again."""
 
     def __init__(self):

@@ -1,23 +1,13 @@
 """RMSNorm (alone or after the residual add) and rotary embedding on a CPU, one native call
 each (cpu_ops.cpp, built as kernels/cpu_build.py says) instead of PyTorch's 5-10 small ops.
 
-Each function is the CPU twin of an eager op of layers/ (`@hot_op(native=...)`): it is given that
-op's eager function first and returns exactly what it would, bit for bit in float32 and
-bfloat16; for what the C++ does not cover (another dtype, a layout it does not index, no
-compiler) it calls the eager function. What is left of a call at decode sizes is mostly its
-Python (~6 us: checks, the output's allocation, ctypes). Measured, eager -> native, us, 1
-thread, float32, medians of 15 alternating rounds (benchmarks/cpu_ops.py):
-
-    rows x hidden, heads/kv heads x head_dim  rms_norm    add_rms_norm  q_norm       rotary
-    256 x 32, 2/1 x 16 (the tests' tiny model)   30 -> 13    34 -> 16      40 -> 18     86 -> 20
-    128 x 256, 4/2 x 64 (cpu-small)              41 -> 15    51 -> 23      49 -> 24    103 -> 25
-    32 x 1024, 16/8 x 128 (Qwen3-0.6B)           40 -> 15    49 -> 23      60 -> 28    119 -> 31
-    1 x 1024, 16/8 x 128                         22 -> 7     26 -> 9       26 -> 8      50 -> 14
-    2048 x 1024 (a prefill)                    1136 -> 527 2001 -> 1135  4183 -> 2203 11744 -> 2211
-
-In bfloat16 (emulated here) 1.9-3.8x. From PyTorch's grain size (32768 elements) on, the rows
-are spread over torch's threads, which paid: the native rms_norm of 256 x 1024 took 57 us on
-1 thread and 33 on 2, of 2048 x 1024 479 and 239 us (rotary, 2048 x 24 heads x 128: 2488, 878).
+Each function is the CPU twin of an eager op of layers/ (the CPU platform's choice,
+platforms/cpu/ops.py): it is given that op's eager function first and returns exactly what it
+would, bit for bit in float32 and bfloat16; for what the C++ does not cover (another dtype, a
+layout it does not index, no compiler) it calls the eager function. What is left of a call at
+decode sizes is mostly its Python (checks, the output's allocation, ctypes). From PyTorch's
+grain size (32768 elements) on, the rows are spread over torch's threads. The figures per shape
+are in docs/cpu.md#c-norms-and-rotary (benchmarks/cpu_ops.py).
 """
 
 import ctypes

@@ -114,7 +114,7 @@ class SpeculativeScheduler(Scheduler):
         """After a verification that accepted nothing the row skips drafts for 2 steps, then
         4, 8, ... (up to MAX_BACKOFF_STEPS) while they keep failing; one accepted draft ends
         it. Where drafts never hit, verifying k wasted tokens every step would cost every step
-        (0.5-0.75x on cpu-small, docs/speculative.md); backed off, only one step in many does."""
+        (docs/speculative.md); backed off, only one step in many does."""
         if num_accepted:
             self.backoff.pop(seq_id, None)
             return

@@ -32,8 +32,8 @@ class GrammarMask:
 
     def apply(self, logits: torch.Tensor) -> None:
         """-inf, in place, where a row's grammar forbids the token ([B, vocab] float32). On a
-        CPU by kernels/cpu_bitmask.cpp (16x faster than xgrammar's there: a word at a time),
-        else by xgrammar's kernel (Triton on CUDA)."""
+        CPU by kernels/cpu_bitmask.cpp (faster than xgrammar's there, a word at a time:
+        docs/structured_output.md), else by xgrammar's kernel (Triton on CUDA)."""
         library = cpu_bitmask.load() if logits.is_cpu else None
         if library is not None:
             rows = torch.tensor(self.rows, dtype=torch.int64)

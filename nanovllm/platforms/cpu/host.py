@@ -29,7 +29,7 @@ def choose_cpu_dtype(
     checkpoint: str, flags: frozenset[str], float32_bytes: int, memory_bytes: int
 ) -> DtypeChoice:
     """The checkpoint's half-precision dtype where the CPU computes it natively, else
-    float32 (emulated bf16/fp16 is ~2x slower) when it fits in 80% of `memory_bytes`."""
+    float32 (emulated bf16/fp16 is slower: docs/cpu.md) when it fits in 80% of `memory_bytes`."""
     native = [f for f in _NATIVE_FLAGS.get(checkpoint, ()) if f in flags]
     if native or checkpoint not in _NATIVE_FLAGS:
         return DtypeChoice(
@@ -70,8 +70,9 @@ def physical_memory() -> int:
 def keep_freed_host_memory() -> bool:
     """glibc returns each large tensor's memory to the OS when it is freed (mmap'd above 128
     KiB-32 MiB), so the next one page-faults its way in again: on a CPU that made elementwise
-    ops over a prefill's activations ~7x slower than their arithmetic. Keep freed memory in
-    the heap for reuse (what tcmalloc or jemalloc, which vLLM's CPU build asks for, do).
+    ops over a prefill's activations several times slower than their arithmetic (docs/cpu.md).
+    Keep freed memory in the heap for reuse (what tcmalloc or jemalloc, which vLLM's CPU build
+    asks for, do).
     Process-wide; False where the C library is not glibc."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
