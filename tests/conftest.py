@@ -55,6 +55,13 @@ def native_library(load):
     return library
 
 
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """The modules a `python -X importtime ...` run imported, from its stderr: an entry point
+    that answers a user's mistake before importing torch is checked with it."""
+    lines = [x for x in importtime_stderr.splitlines() if x.startswith("import time:")]
+    return {x.rsplit("|", 1)[1].strip() for x in lines[1:]}  # the first line is the header
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """name -> checkpoint directory, including "gqa_v4": the gqa weights with a
