@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from nanovllm.runner.cpu_threads import physical_cores
+# The threads are fixed below; on a machine shared with other work, fixed threads that spin-wait
+# for each other at every parallel region (libgomp's default) take the cores from the one with
+# work: a test of 0.35 s alone took 27-50 s beside another test run, the subset of 59 engine tests
+# in test_qwen3_parity, test_robustness, test_speculative and test_mixed_steps 18-40 s against
+# 10-12 s waiting passively. Read when libgomp loads, so before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from nanovllm.runner.cpu_threads import physical_cores  # noqa: E402
 
 # The engine's CPU threads are given to the tests, as many as the engine would choose: a chosen
 # count is governed (runner/cpu_threads.py) and may change with the machine's load between two

@@ -222,6 +222,7 @@ def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
 # -- end to end (CPU) ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_machine(tmp_path):
     out = run_bench(*TINY, "--device", "cpu", "--json", str(tmp_path / "result.json")).stdout
     match = LINE.search(out)
@@ -242,6 +243,7 @@ def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_mach
     assert f"Dtype: {result['dtype']}" in out and result["dtype"] == "float32"  # a float32 preset
 
 
+@pytest.mark.slow
 def test_compare_prints_a_row_per_engine(tmp_path):
     # This venv has no vllm: its row must say so rather than fail the run.
     result = run_bench(

@@ -523,6 +523,7 @@ def wait_for_log_lines(server, start: int, count: int, timeout_s: float = 10) ->
     return lines()
 
 
+@pytest.mark.slow
 def test_sigterm_ends_open_streams_and_exits_0_leaving_no_process(checkpoints):
     flags = engine_flags(**ENGINE, tensor_parallel_size=2)  # a TP worker must be stopped too
     with running_server(checkpoints["gqa"], *flags) as (proc, port, _):
@@ -551,6 +552,7 @@ def test_sigterm_ends_open_streams_and_exits_0_leaving_no_process(checkpoints):
         assert live_processes(proc.pid) == []
 
 
+@pytest.mark.slow
 def test_a_bad_engine_option_is_refused_before_serving(checkpoints):
     result = subprocess.run(
         [

@@ -208,6 +208,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(server):
     assert refusals == [(400, pytest.approx(0, abs=2.0), "prompt")] * 4
 
 
+@pytest.mark.slow
 def test_memory_a_burst_of_large_requests_took_goes_back_when_idle(server):
     """Sixteen 12 MB bodies, eight at a time, refused: the event loop held their bytes and
     strings, hundreds of MB. The CPU runner keeps freed memory for reuse (runner/cpu.py);
@@ -232,6 +233,7 @@ def test_memory_a_burst_of_large_requests_took_goes_back_when_idle(server):
 # -- starting ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_one_line_and_status_2_before_the_model_loads(checkpoints):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
