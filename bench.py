@@ -496,6 +496,12 @@ def run_backend(args: argparse.Namespace) -> dict:
     with model_spec(args) as spec:
         workload = make_workload(args, spec.hf_config["vocab_size"])
         warn_if_long_on_a_cpu(args, spec.hf_config, workload)
+        print(  # a real model's load and warm-up take a while on a CPU: say what happens
+            f"bench.py: {args.backend} loads the model and warms up; the timed run's progress "
+            "bar follows",
+            file=sys.stderr,
+            flush=True,
+        )
         run = engines.RUNNERS[args.backend]
         result = run(args, spec, workload)
         result.setdefault("dtype", spec.dtype)
