@@ -1,8 +1,12 @@
 """nano-vLLM's throughput benchmark, and the same workload through its peers.
 
     python bench.py                                # nano-vLLM's run: Qwen3-0.6B, 256 requests
-    python bench.py --preset cpu-small             # a small random model: ~1 min on 2 CPU cores
+    python bench.py --preset cpu-small             # a small random model: 11-19 s on 2 CPU cores
     python bench.py --preset cpu-small --compare hf,vllm
+
+`--help` has more examples. nano-vLLM's run is a GPU's workload: on a CPU it takes about an
+hour, which bench.py says first (warn_if_long_on_a_cpu). The timed run shows a progress bar on
+stderr; Ctrl-C ends it with its figures so far, in one line (exit status 130).
 
 The workload is seeded: `num_seqs` prompts of random token ids, prompt and output
 lengths uniform in their ranges, `ignore_eos` so every request makes exactly its
@@ -28,10 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import compare, contention, engines
-from nanovllm.demo import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
+from nanovllm.demo import DOWNLOAD_COMMAND, QWEN3_0_6B_CONFIG, write_weightless_checkpoint
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
 BACKENDS = ("nanovllm", "hf", "vllm")
+EXIT_INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
+# How long nanovllm takes on a CPU, to warn before a run of more than LONG_RUN_S: every token,
+# prompt or output, costs 2 FLOPs a parameter, at CPU_GFLOPS_PER_CORE a core. Measured:
+# docs/benchmarks.md's Qwen3-0.6B-shape run on a 2-core AMD EPYC with AVX2 (float32) made 79.7
+# tok/s, 2 x 0.596 GFLOP each: 47 GFLOP/s a core, rounded down for longer contexts and busier
+# machines. A 2-core AMD EPYC with AVX-512 (bfloat16) ran nano-vLLM's workload at ~150 GFLOP/s
+# a core in prefill and ~85 in its first decode steps: the estimate errs long.
+CPU_GFLOPS_PER_CORE = 40
+LONG_RUN_S = 600
 # nano-vLLM's workload; a preset may override it, a flag overrides both.
 DEFAULT_WORKLOAD = {
     "num_seqs": 256,
@@ -246,8 +259,28 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 # -- arguments ------------------------------------------------------------------------
 
 
+EXAMPLES = """\
+examples:
+  python bench.py --preset cpu-small
+      a small random model (5M parameters, 128 requests): 11-19 s on 2 CPU cores
+  python bench.py --preset qwen3-0.6b --num-seqs 32 --min-input-len 16 --max-input-len 128 \\
+      --min-output-len 16 --max-output-len 64
+      Qwen3-0.6B's shape with random weights, a workload sized for a CPU: ~40 s on 2 cores
+  python bench.py --model ~/huggingface/Qwen3-0.6B/
+      nano-vLLM's run, 256 requests of 100-1024 tokens each: a GPU's workload (on 2 CPU
+      cores, ~1 h by bench.py's estimate); the checkpoint comes from
+      `hf download Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B/`
+
+Ctrl-C ends a run with its figures so far (exit status 130).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     model = p.add_mutually_exclusive_group()
     model.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"checkpoint directory (default {DEFAULT_MODEL})"
@@ -420,13 +453,7 @@ def model_spec(args: argparse.Namespace):
     """The checkpoint to run: --model, or a temporary directory written for --preset."""
     if not args.preset:
         path = os.path.expanduser(args.model)
-        config_file = os.path.join(path, "config.json")
-        if not os.path.isfile(config_file):
-            raise SystemExit(
-                f"no config.json in {path!r}: pass --model DIR, or --preset "
-                f"{{{','.join(sorted(PRESETS))}}} for random weights"
-            )
-        with open(config_file) as f:
+        with open(os.path.join(path, "config.json")) as f:  # main checked that it is there
             config = json.load(f)
         yield ModelSpec(path, "auto", config, resolve_dtype(args, config))
         return
@@ -434,6 +461,20 @@ def model_spec(args: argparse.Namespace):
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.preset}-") as path:
         write_weightless_checkpoint(path, config)
         yield ModelSpec(path, "dummy", config, resolve_dtype(args, config))
+
+
+def missing_model(args: argparse.Namespace) -> str | None:
+    """The error for a --model without config.json, pointing a CPU user at a preset; None
+    if the model is there (or a preset runs)."""
+    path = os.path.expanduser(args.model)
+    if args.preset or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    return (
+        f"bench.py: no model at {path!r} (no config.json).\n"
+        "  On a CPU, a small random model (seconds):  python bench.py --preset cpu-small\n"
+        f"  Qwen3-0.6B, for nano-vLLM's run (a GPU's):  {DOWNLOAD_COMMAND}\n"
+        "  More examples (Qwen3-0.6B's shape, random weights, sized for a CPU): bench.py --help"
+    )
 
 
 def resolve_dtype(args: argparse.Namespace, hf_config: dict) -> str:
@@ -456,14 +497,50 @@ def run_backend(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     with model_spec(args) as spec:
         workload = make_workload(args, spec.hf_config["vocab_size"])
+        warn_if_long_on_a_cpu(args, spec.hf_config, workload)
+        print(  # a real model's load and warm-up take a while on a CPU: say what happens
+            f"bench.py: {args.backend} loads the model and warms up; the timed run's progress "
+            "bar follows",
+            file=sys.stderr,
+            flush=True,
+        )
         run = engines.RUNNERS[args.backend]
         result = run(args, spec, workload)
         result.setdefault("dtype", spec.dtype)
     if result["status"] == "ok":
         result.update(throughput(result["time_s"], workload))
         result.setdefault("peak_rss_mib", engines.self_peak_rss_mib())
+    elif result["status"] == "interrupted":  # Ctrl-C: the tokens made so far, over their time
+        result["output_tok_s"] = result["output_tokens"] / result["time_s"]
     result.update(engine=args.backend, requested_output_tokens=workload.num_output_tokens)
     return result
+
+
+def warn_if_long_on_a_cpu(args: argparse.Namespace, hf_config: dict, workload: Workload) -> None:
+    """One line on stderr when nanovllm on a CPU would take more than LONG_RUN_S: how long,
+    and the preset that takes seconds."""
+    if args.backend != "nanovllm" or uses_cuda(args.device):
+        return
+    cores = args.threads or len(os.sched_getaffinity(0))
+    seconds = cpu_seconds(hf_config, workload, cores)
+    if seconds > LONG_RUN_S:
+        tokens = workload.num_prompt_tokens + workload.num_output_tokens
+        print(
+            f"bench.py: this run takes ~{seconds / 60:.0f} min on this CPU (estimated: {tokens:,} "
+            f"tokens x {engines.weight_bytes_per_step(hf_config, 1) / 1e9:.2f}B parameters at "
+            f"{CPU_GFLOPS_PER_CORE} GFLOP/s a core, {cores} cores). For a run of seconds: "
+            "python bench.py --preset cpu-small",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def cpu_seconds(hf_config: dict, workload: Workload, cores: int) -> float:
+    """A conservative estimate: every token, prompt or output, costs 2 FLOPs a parameter (the
+    attention over the context is left out: it is small beside the weights at these lengths)."""
+    tokens = workload.num_prompt_tokens + workload.num_output_tokens
+    flops = 2 * engines.weight_bytes_per_step(hf_config, 1) * tokens
+    return flops / (CPU_GFLOPS_PER_CORE * 1e9 * cores)
 
 
 def throughput(time_s: float, workload: Workload) -> dict:
@@ -475,6 +552,12 @@ def throughput(time_s: float, workload: Workload) -> dict:
 
 
 def print_result(result: dict) -> None:
+    if result["status"] == "interrupted" and "output_tok_s" in result:
+        print(
+            f"Interrupted: {result['output_tokens']} of {result['requested_output_tokens']}tok "
+            f"in {result['time_s']:.2f}s, Throughput so far: {result['output_tok_s']:.2f}tok/s"
+        )
+        return
     if result["status"] != "ok":
         print(f"{result['engine']}: {result['status']} {result.get('error', '')}".rstrip())
         return
@@ -538,9 +621,11 @@ def run_peer(args: argparse.Namespace, backend: str) -> dict:
         json_path = os.path.join(tmp, "result.json")
         cmd = [python, os.path.abspath(__file__), *child_argv(args, backend, json_path)]
         run = compare.run_in_process_group(cmd, args.timeout, uses_cuda(args.device))
-        if run.status != "ok" or not os.path.isfile(json_path):
+        # An interrupted engine writes its figures so far, if it had begun its timed run.
+        if run.status not in ("ok", "interrupted") or not os.path.isfile(json_path):
             status = run.status if run.status != "ok" else "failed (no result)"
-            return {"engine": backend, "status": status, "error": run.stderr[-2000:]}
+            # its stderr went by on ours: the tail is kept for --json, not printed again
+            return {"engine": backend, "status": status, "stderr": run.stderr[-2000:]}
         with open(json_path) as f:
             result = json.load(f)["results"][0]
     if result["status"] == "ok":
@@ -554,7 +639,10 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
     peer_args = argparse.Namespace(**vars(args))
     if args.dtype == "auto" and results[0]["status"] == "ok":
         peer_args.dtype = results[0]["dtype"]  # every engine runs the same dtype
-    results += [run_peer(peer_args, b) for b in args.peers]
+    for backend in args.peers:
+        if interrupted(results):  # Ctrl-C ends the comparison, not only one engine
+            break
+        results.append(run_peer(peer_args, backend))
     for r in results:
         if r["status"] != "ok" and r.get("error"):
             print(f"{r['engine']}: {r['error']}", file=sys.stderr)
@@ -570,15 +658,21 @@ def uses_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit status: 0, or EXIT_INTERRUPTED after Ctrl-C (the figures so far printed)."""
     args = parse_args(argv)
+    if missing := missing_model(args):  # before torch is imported: at once
+        raise SystemExit(missing)
     print_machine(machine())
     if args.contend:
         quiet = run_engines(args)
-        with contention.busy_processes(args.contend):
-            busy = run_engines(args)
-        contention.print_table(quiet, busy, args.contend)
-        results = quiet + busy
+        if interrupted(quiet):
+            results = quiet
+        else:
+            with contention.busy_processes(args.contend):
+                busy = run_engines(args)
+            contention.print_table(quiet, busy, args.contend)
+            results = quiet + busy
     elif args.peers:
         results = run_engines(args)
         print_result(results[0])
@@ -588,6 +682,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": machine(), "results": results}, f, indent=2)
+    return EXIT_INTERRUPTED if interrupted(results) else 0
+
+
+def interrupted(results: list[dict]) -> bool:
+    return any(r["status"] == "interrupted" for r in results)
 
 
 # The vector and matrix extensions worth naming: what the CPU computes natively.
@@ -634,4 +733,8 @@ def print_machine(m: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # while loading or warming up: the timed run has no figures yet
+        print("bench.py: interrupted before the timed run: no figures", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)

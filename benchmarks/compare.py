@@ -1,46 +1,88 @@
 """bench.py --compare: each engine in its own process group, its memory polled from
-outside, and the results side by side in one table."""
+outside, its stderr (progress bar, warnings) passed on as it comes, and the results side by
+side in one table."""
 
+import codecs
 import os
 import signal
 import subprocess
+import sys
 import threading
-from typing import NamedTuple
+from typing import IO, NamedTuple
+
+INTERRUPT_GRACE_S = 30  # for an engine told of Ctrl-C to write its figures so far
+STDERR_TAIL_CHARS = 16384  # of an engine's stderr, kept for its result
 
 
 class GroupRun(NamedTuple):
-    status: str  # "ok", "failed (exit N)" or "timed out (Ns)"
-    stderr: str
+    status: str  # "ok", "failed (exit N)", "timed out (Ns)" or "interrupted"
+    stderr: str  # its tail
     peak_rss_mib: float  # resident memory summed over the group's processes
     peak_gpu_mib: float | None  # CUDA memory in use above the level before the start
 
 
 def run_in_process_group(cmd: list[str], timeout: float, cuda: bool) -> GroupRun:
     """Run `cmd` in a new session and kill its whole process group afterwards, whatever
-    happened (vLLM leaves helper processes behind)."""
+    happened (vLLM leaves helper processes behind). Ctrl-C reaches only our own group: it is
+    passed on as SIGINT, so the engine ends its run with the figures so far."""
     monitor = MemoryMonitor(cuda)
     proc = subprocess.Popen(
-        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     monitor.start(proc.pid)
+    stderr = StderrRelay(proc.stderr)
     try:
-        _, stderr = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
         status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
     except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        _, stderr = proc.communicate()
         status = f"timed out ({timeout:.0f}s)"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        signal_group(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
     finally:
         monitor.stop()
         kill_group(proc.pid)
-    return GroupRun(status, stderr, monitor.peak_rss_mib, monitor.peak_gpu_mib)
+        proc.wait()
+        stderr.join()
+    return GroupRun(status, stderr.tail, monitor.peak_rss_mib, monitor.peak_gpu_mib)
+
+
+class StderrRelay:
+    """Copies a child's stderr to ours as it comes (its progress bar redraws in place) and
+    keeps the tail."""
+
+    def __init__(self, pipe: IO[bytes]):
+        self.tail = ""
+        self._pipe = pipe
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def _relay(self) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a chunk may end
+        while chunk := os.read(self._pipe.fileno(), 65536):  # inside a character
+            text = decoder.decode(chunk)
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            self.tail = (self.tail + text)[-STDERR_TAIL_CHARS:]
+
+    def join(self) -> None:
+        self._thread.join()
+        self._pipe.close()
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already gone
 
 
 def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already gone
+    signal_group(pgid, signal.SIGKILL)
 
 
 class MemoryMonitor:

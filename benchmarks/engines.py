@@ -4,11 +4,20 @@ Each runner takes the same workload (token-id prompts, one output length per req
 `ignore_eos`), does one small warm-up generate, times the real one, and returns its
 figures as a dict: status, time_s, output_tokens, and what else it can tell.
 Only token ids are produced: no engine spends timed work on detokenizing.
+
+The timed run shows a progress bar on stderr (tokens, their rate, the time left; vLLM's
+is its own). Ctrl-C ends nanovllm's and transformers' timed run early: status
+"interrupted", with the output tokens made so far and the time they took.
 """
 
 import os
 import resource
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from time import perf_counter
+
+from tqdm import tqdm
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 WARMUP_PROMPTS, WARMUP_PROMPT_LEN, WARMUP_TOKENS = 4, 32, 8
@@ -68,7 +77,8 @@ def run_nanovllm(args, spec, workload) -> dict:
         result["dtype"] = str(llm.model_runner.dtype).removeprefix("torch.")
     finally:
         llm.close()
-    result.update(decode_figures(result, spec.hf_config, result["dtype"], workload))
+    if result["status"] == "ok":  # the bandwidth estimate counts the whole workload's reads
+        result.update(decode_figures(result, spec.hf_config, result["dtype"], workload))
     return result
 
 
@@ -85,31 +95,61 @@ def spec_decode_figures(before, after) -> dict:
     return figures
 
 
+@contextmanager
+def progress_bar(total_tokens: int) -> Iterator[tqdm]:
+    """A bar on stderr, redrawn every second while a step runs: a CPU's first prefill step can
+    take a minute (16,384 tokens of Qwen3-0.6B), and a clock that moves says it is not stuck."""
+    bar = tqdm(total=total_tokens, desc="Generating", unit="tok", dynamic_ncols=True)
+    done = threading.Event()
+    ticker = threading.Thread(target=_redraw_until, args=(bar, done), daemon=True)
+    ticker.start()
+    try:
+        yield bar
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
+
+
+def _redraw_until(bar: tqdm, done: threading.Event) -> None:
+    while not done.wait(1.0):
+        bar.refresh()  # under tqdm's lock, as update() draws
+
+
 def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:
     """generate()'s loop, timing each step: a step with prompt work (a mixed step too)
-    counts as prefill time, a pure decode step as decode time."""
+    counts as prefill time, a pure decode step as decode time. Ctrl-C ends it early.
+
+    The bar counts the tokens computed, prompt and output alike, so that its rate and time
+    left hold through the long prefill steps of a CPU (the last output token of a request is
+    sampled, never computed; a preempted request computes its tokens again, past the total)."""
     start = perf_counter()
     for prompt, sp in zip(prompts, params):
         llm.add_request(prompt, sp)
-    prefill_s = decode_s = 0.0
-    num_decode_steps = output_tokens = 0
-    while not llm.is_finished():
-        step_start = perf_counter()
-        out = llm.step()
-        elapsed = perf_counter() - step_start
-        if out.num_prefill_tokens:
-            prefill_s += elapsed
-        else:
-            decode_s += elapsed
-            num_decode_steps += 1
-        output_tokens += sum(len(o.token_ids) for o in out.finished)
+    figures = {"prefill_time_s": 0.0, "decode_time_s": 0.0, "num_decode_steps": 0}
+    status, output_tokens = "ok", 0
+    to_compute = sum(map(len, prompts)) + sum(sp.max_tokens - 1 for sp in params)
+    with progress_bar(to_compute) as bar:
+        try:
+            while not llm.is_finished():
+                step_start = perf_counter()
+                out = llm.step()
+                elapsed = perf_counter() - step_start
+                if out.num_prefill_tokens:
+                    figures["prefill_time_s"] += elapsed
+                else:
+                    figures["decode_time_s"] += elapsed
+                    figures["num_decode_steps"] += 1
+                output_tokens += len(out.new_tokens)  # one per token made, finished or not
+                bar.set_postfix(output=output_tokens, refresh=False)
+                bar.update(out.num_prefill_tokens + out.num_decode_tokens)
+        except KeyboardInterrupt:  # the engine dropped its requests: report what was made
+            status = "interrupted"
     return {
-        "status": "ok",
+        "status": status,
         "time_s": perf_counter() - start,
         "output_tokens": output_tokens,
-        "prefill_time_s": prefill_s,
-        "decode_time_s": decode_s,
-        "num_decode_steps": num_decode_steps,
+        **figures,
     }
 
 
@@ -170,18 +210,22 @@ def run_hf(args, spec, workload) -> dict:
     torch.manual_seed(args.seed)
     generate = _hf_generate(model, device, args.temperature)
     generate(warmup_prompts(workload), WARMUP_TOKENS)
-    start = perf_counter()
-    for i in range(0, len(workload.prompts), args.hf_batch_size):
-        generate(
-            workload.prompts[i : i + args.hf_batch_size],
-            max(workload.output_lens[i : i + args.hf_batch_size]),
-        )
+    start, status, output_tokens = perf_counter(), "ok", 0
+    with progress_bar(workload.num_output_tokens) as bar:
+        try:
+            for i in range(0, len(workload.prompts), args.hf_batch_size):
+                lens = workload.output_lens[i : i + args.hf_batch_size]
+                generate(workload.prompts[i : i + args.hf_batch_size], max(lens))
+                output_tokens += sum(lens)
+                bar.update(sum(lens))
+        except KeyboardInterrupt:  # the batches done so far are the figures
+            status = "interrupted"
     if device.type == "cuda":
         torch.cuda.synchronize()
     return {
-        "status": "ok",
+        "status": status,
         "time_s": perf_counter() - start,
-        "output_tokens": workload.num_output_tokens,
+        "output_tokens": output_tokens,
         "peak_gpu_mib": _peak_gpu_mib(),
     }
 
@@ -254,9 +298,9 @@ def run_vllm(args, spec, workload) -> dict:
     try:
         generate = _vllm_generate(vllm, llm, args.temperature)
         warmup = warmup_prompts(workload)
-        generate(warmup, [WARMUP_TOKENS] * len(warmup))
+        generate(warmup, [WARMUP_TOKENS] * len(warmup), progress=False)
         start = perf_counter()
-        output_tokens = generate(workload.prompts, workload.output_lens)
+        output_tokens = generate(workload.prompts, workload.output_lens, progress=True)
         elapsed = perf_counter() - start
     finally:
         # Its engine-core and worker processes otherwise keep the interpreter alive.
@@ -271,14 +315,16 @@ def run_vllm(args, spec, workload) -> dict:
 
 
 def _vllm_generate(vllm, llm, temperature: float):
-    def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
+    def generate(prompts: list[list[int]], output_lens: list[int], progress: bool) -> int:
         params = [
             vllm.SamplingParams(
                 temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False
             )
             for n in output_lens
         ]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress
+        )
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
     return generate

@@ -6,6 +6,9 @@
   about a second on the Python standard library's own sources. Their text is noise.
 - weightless checkpoints (config.json + a placeholder tokenizer) of a real shape such as
   Qwen3-0.6B, for benchmarks that run `load_format="dummy"` (random weights).
+
+The demo checkpoint carries a marker file, so the server can tell a user it is serving noise;
+DOWNLOAD_COMMAND is what the entry points tell a user to run for the real model instead.
 """
 
 import json
@@ -14,7 +17,12 @@ import shutil
 import sysconfig
 from pathlib import Path
 
-DEMO_DIR = Path(os.path.expanduser("~/.cache/nanovllm/qwen3-tiny-demo-v1"))
+# v2: the first with DEMO_MARKER (a v1 directory, built before it, is left as it is).
+DEMO_DIR = Path(os.path.expanduser("~/.cache/nanovllm/qwen3-tiny-demo-v2"))
+DEMO_MARKER = "NANOVLLM_RANDOM_DEMO"
+# The real model the demo stands in for. `hf` is huggingface_hub's command since 0.34 (1.0 removed
+# `huggingface-cli`); tests/test_example.py checks that it is installed and takes these options.
+DOWNLOAD_COMMAND = "hf download Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B/"
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -195,8 +203,17 @@ def demo_checkpoint() -> Path:
         # Built aside and renamed into place, so an interrupted build leaves no half checkpoint.
         tmp = DEMO_DIR.with_name(f"{DEMO_DIR.name}.tmp{os.getpid()}")
         build_tiny_qwen3(tmp, config_style="transformers4")
+        (tmp / DEMO_MARKER).write_text(
+            "nanovllm's tiny demo checkpoint (nanovllm/demo.py): random weights, its text is "
+            f"noise. For a real model: {DOWNLOAD_COMMAND}\n"
+        )
         try:
             tmp.rename(DEMO_DIR)
         except OSError:  # another process finished first
             shutil.rmtree(tmp)
     return DEMO_DIR
+
+
+def is_demo_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a demo checkpoint (random weights), by its marker file."""
+    return (Path(os.path.expanduser(path)) / DEMO_MARKER).is_file()

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from nanovllm.platforms.cpu.threads import physical_cores
+# The threads are fixed below; on a machine shared with other work, fixed threads that spin-wait
+# for each other at every parallel region (libgomp's default) take the cores from the one with
+# work: a test of 0.35 s alone took 27-50 s beside another test run, the subset of 59 engine tests
+# in test_qwen3_parity, test_robustness, test_speculative and test_mixed_steps 18-40 s against
+# 10-12 s waiting passively. Read when libgomp loads, so before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from nanovllm.platforms.cpu.threads import physical_cores  # noqa: E402
 
 # The engine's CPU threads are given to the tests, as many as the engine would choose: a chosen
 # count is governed (platforms/cpu/threads.py) and may change with the machine's load between two
@@ -53,6 +60,13 @@ def native_library(load):
     library = load()
     assert library is not None, "a CPU kernel did not build, with a compiler here (see its warning)"
     return library
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """The modules a `python -X importtime ...` run imported, from its stderr: an entry point
+    that answers a user's mistake before importing torch is checked with it."""
+    lines = [x for x in importtime_stderr.splitlines() if x.startswith("import time:")]
+    return {x.rsplit("|", 1)[1].strip() for x in lines[1:]}  # the first line is the header
 
 
 @pytest.fixture(scope="session")

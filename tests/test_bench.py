@@ -2,19 +2,26 @@
 runs on the CPU (alone, and side by side with transformers)."""
 
 import json
+import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import imported_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
 import bench  # noqa: E402
 from benchmarks import engines  # noqa: E402
+from nanovllm.demo import DOWNLOAD_COMMAND  # noqa: E402
 
 TINY = [
     "--preset",
@@ -35,6 +42,11 @@ TINY = [
     "1",
 ]
 LINE = re.compile(r"^Total: (\d+)tok, Time: (\d+\.\d\d)s, Throughput: (\d+\.\d\d)tok/s$", re.M)
+
+
+INTERRUPTED = re.compile(
+    r"^Interrupted: (\d+) of (\d+)tok in [\d.]+s, Throughput so far: [\d.]+tok/s$", re.M
+)
 
 
 def run_bench(*argv: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -85,6 +97,58 @@ def test_bad_arguments_exit_with_a_message_naming_them(argv, message, capsys):
         bench.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_help_gives_three_examples_that_parse():
+    epilog = bench.build_parser().format_help().split("examples:\n", 1)[1]
+    commands, lines = [], iter(epilog.splitlines())
+    for line in lines:
+        if line.startswith("  python bench.py"):
+            command = line
+            while command.endswith("\\"):  # continued on the next line
+                command = command[:-1] + next(lines)
+            commands.append(shlex.split(command))
+    assert len(commands) == 3, epilog
+    for argv in commands:
+        bench.parse_args(argv[2:])  # a bad example exits with argparse's usage error
+
+
+def test_no_model_points_a_cpu_user_at_cpu_small_before_importing_torch(tmp_path):
+    missing = tmp_path / "no-model"
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "bench.py", "--model", str(missing)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert f"no model at {str(missing)!r}" in result.stderr
+    assert "python bench.py --preset cpu-small" in result.stderr
+    assert DOWNLOAD_COMMAND in result.stderr
+    assert "torch" not in imported_modules(result.stderr)
+
+
+def test_a_long_run_on_a_cpu_is_warned_of_with_its_length_and_the_preset_to_run(capsys):
+    args = bench.parse_args(["--preset", "qwen3-0.6b", "--device", "cpu", "--threads", "2"])
+    config = bench.PRESETS["qwen3-0.6b"].config
+    bench.warn_if_long_on_a_cpu(args, config, bench.make_workload(args, config["vocab_size"]))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "--preset cpu-small" in lines[0], lines
+    assert re.search(r"takes ~(\d+) min on this CPU", lines[0]).group(1) == "69", lines[0]
+    args = bench.parse_args(["--preset", "cpu-small", "--device", "cpu", "--threads", "2"])
+    config = bench.PRESETS["cpu-small"].config
+    bench.warn_if_long_on_a_cpu(args, config, bench.make_workload(args, config["vocab_size"]))
+    assert capsys.readouterr().err == ""
+
+
+def test_the_cpu_estimate_errs_long_against_the_measured_run():
+    """docs/benchmarks.md: Qwen3-0.6B's shape, 32 requests, 41.59 s on 2 cores (AVX2)."""
+    argv = "--num-seqs 32 --min-input-len 16 --max-input-len 128 --min-output-len 16"
+    args = bench.parse_args(["--preset", "qwen3-0.6b", *argv.split(), "--max-output-len", "64"])
+    config = bench.PRESETS["qwen3-0.6b"].config
+    estimate = bench.cpu_seconds(config, bench.make_workload(args, config["vocab_size"]), 2)
+    assert 41.59 <= estimate <= 2 * 41.59
 
 
 def test_same_seed_gives_the_same_workload_and_lengths_stay_in_range():
@@ -158,6 +222,7 @@ def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
 # -- end to end (CPU) ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_machine(tmp_path):
     out = run_bench(*TINY, "--device", "cpu", "--json", str(tmp_path / "result.json")).stdout
     match = LINE.search(out)
@@ -178,9 +243,10 @@ def test_tiny_run_prints_nano_vllms_line_with_every_requested_token_and_its_mach
     assert f"Dtype: {result['dtype']}" in out and result["dtype"] == "float32"  # a float32 preset
 
 
+@pytest.mark.slow
 def test_compare_prints_a_row_per_engine(tmp_path):
     # This venv has no vllm: its row must say so rather than fail the run.
-    out = run_bench(
+    result = run_bench(
         *TINY,
         "--device",
         "cpu",
@@ -190,7 +256,11 @@ def test_compare_prints_a_row_per_engine(tmp_path):
         sys.executable,
         "--json",
         str(tmp_path / "r.json"),
-    ).stdout
+    )
+    out = result.stdout
+    # each engine's progress bar, passed on as it ran, to its end
+    totals = re.findall(r"Generating: 100%\|[^|]*\| (\d+)/\1 ", result.stderr)
+    assert len(set(totals)) == 2, result.stderr
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert re.match(r"nanovllm\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+1\.00x$", rows["nanovllm"])
     assert re.match(r"hf\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+[\d.]+x$", rows["hf"])
@@ -198,3 +268,34 @@ def test_compare_prints_a_row_per_engine(tmp_path):
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     requested = bench.make_workload(bench.parse_args(TINY), 4096).num_output_tokens
     assert [r["output_tokens"] for r in results[:2]] == [requested, requested]
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_timed_run_is_one_line_with_the_figures_so_far_and_status_130():
+    argv = [*TINY, "--num-seqs", "256", "--min-output-len", "64", "--max-output-len", "256"]
+    proc = subprocess.Popen(
+        [sys.executable, "bench.py", *argv, "--device", "cpu"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    stderr = read_until(proc.stderr, re.compile(rb"[\d.]+tok/s"), timeout=120)  # a step's rate
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=60)
+    out, err = out.decode(), (stderr + rest).decode()
+    assert proc.returncode == bench.EXIT_INTERRUPTED, err[-3000:]
+    assert "Traceback" not in out + err and "Total:" not in out
+    assert out.startswith("CPU: ") and len(out.splitlines()) == 2, out
+    made, requested = map(int, INTERRUPTED.search(out).groups())
+    assert 0 < made < requested
+
+
+def read_until(pipe, pattern: re.Pattern, timeout: float) -> bytes:
+    """What a child wrote to `pipe` up to the first match of `pattern`."""
+    data, deadline = b"", time.monotonic() + timeout
+    while not pattern.search(data):
+        assert time.monotonic() < deadline, data.decode()[-2000:]
+        chunk = os.read(pipe.fileno(), 4096)
+        assert chunk, f"the pipe closed first: {data.decode()[-2000:]}"
+        data += chunk
+    return data

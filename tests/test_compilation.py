@@ -70,6 +70,7 @@ def compilations(path, counts: Counter) -> tuple[int, int]:
     return counts["compilations"] - before, len(functions)
 
 
+@pytest.mark.slow
 def test_one_compiled_function_serves_every_layer(compiled_on_cpu, tmp_path):
     one_layer = compilations(build_tiny_qwen3(tmp_path / "one", num_layers=1), compiled_on_cpu)
     six_layers = compilations(build_tiny_qwen3(tmp_path / "six", num_layers=6), compiled_on_cpu)

@@ -87,6 +87,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_host_memory_is_reused_without_page_faults():
     """A CPU runner keeps freed memory in the heap: the next activation of that size is

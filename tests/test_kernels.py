@@ -33,6 +33,7 @@ def flash_attn_installed() -> bool:
     return import_error("flash_attn") is None
 
 
+@pytest.mark.slow
 def test_kernels_match_torch_reference_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(

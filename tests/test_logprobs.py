@@ -151,6 +151,7 @@ def test_logprobs_survive_forced_preemption_in_decode_and_in_the_middle_of_a_pro
     assert_request_matches_hf(path, mixed[1], 2, 3)
 
 
+@pytest.mark.slow
 def test_logprobs_with_tensor_parallelism_are_gathered_on_rank_0(path):
     prompts = make_prompts([7, 37], seed=6)
     params = SamplingParams(

@@ -97,6 +97,7 @@ def test_chunked_prefill_then_prefix_hits_match_transformers(families, name):
     assert chunked == cached == expected(path, prompts)
 
 
+@pytest.mark.slow
 def test_llama_and_qwen3_moe_at_tp2_match_transformers(families):
     """Both engines at once, 2 ranks each: Llama's sharded attention and tied head,
     Qwen3-MoE's experts sharded along their intermediate dimension."""

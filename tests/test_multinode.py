@@ -136,16 +136,19 @@ def test_prompts_are_split_longest_first_to_the_least_loaded_replica():
     assert max(loads) - min(loads) <= 2 and sum(loads) == 210
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_tp2_equals_one_process(tmp_path, model, prompts, one_process):
     results = torchrun(tmp_path, model, prompts, nnodes=2, nproc=1, tp=2, dp=1)
     assert results == {0: one_process, 1: one_process}
 
 
+@pytest.mark.slow
 def test_torchrun_dp2_x_tp2_equals_one_process(tmp_path, model, prompts, one_process):
     results = torchrun(tmp_path, model, prompts, nnodes=1, nproc=4, tp=2, dp=2)
     assert results == dict.fromkeys(range(4), one_process)
 
 
+@pytest.mark.slow
 def test_torchrun_rank_that_dies_is_a_runtime_error_within_seconds(tmp_path, model, prompts):
     results = torchrun(
         tmp_path, model, prompts, 2, 1, 2, 1, "--die-rank", "1", ranks=(0,), timeout_s=90
@@ -171,6 +174,7 @@ def test_world_that_is_not_tp_times_dp_is_refused_before_weights_load(tmp_path, 
         LLM(str(weightless), tensor_parallel_size=2, **ENGINE)
 
 
+@pytest.mark.slow
 def test_spawned_replicas_equal_one_process_in_prompt_order(model, prompts, one_process):
     with LLM(model, data_parallel_size=2, **ENGINE) as llm:
         outputs = llm.generate(prompts, sampling(len(prompts)), use_tqdm=False)

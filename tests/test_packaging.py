@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_wheel_contains_and_imports_every_module(tmp_path):
     pip = [sys.executable, "-m", "pip"]
     subprocess.run(

@@ -192,6 +192,7 @@ def _resources() -> dict[str, int]:
     }
 
 
+@pytest.mark.slow
 def test_create_use_close_repeatedly_does_not_leak(checkpoints):
     path = str(checkpoints["gqa"])
     samples = []

@@ -6,6 +6,7 @@ is stopped here; every wait is bounded."""
 import asyncio
 import http.client
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from serving import (
 )
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.demo import DEMO_MARKER, DOWNLOAD_COMMAND
 
 USER = [{"role": "user", "content": "def main():"}]
 
@@ -521,6 +523,7 @@ def wait_for_log_lines(server, start: int, count: int, timeout_s: float = 10) ->
     return lines()
 
 
+@pytest.mark.slow
 def test_sigterm_ends_open_streams_and_exits_0_leaving_no_process(checkpoints):
     flags = engine_flags(**ENGINE, tensor_parallel_size=2)  # a TP worker must be stopped too
     with running_server(checkpoints["gqa"], *flags) as (proc, port, _):
@@ -549,6 +552,7 @@ def test_sigterm_ends_open_streams_and_exits_0_leaving_no_process(checkpoints):
         assert live_processes(proc.pid) == []
 
 
+@pytest.mark.slow
 def test_a_bad_engine_option_is_refused_before_serving(checkpoints):
     result = subprocess.run(
         [
@@ -567,3 +571,29 @@ def test_a_bad_engine_option_is_refused_before_serving(checkpoints):
         timeout=120,
     )
     assert result.returncode == 2 and "max_num_seqs" in result.stderr
+    assert "demo checkpoint" not in result.stderr
+
+
+@pytest.mark.slow
+def test_serving_the_random_demo_checkpoint_warns_that_its_text_is_noise(checkpoints, tmp_path):
+    demo = shutil.copytree(checkpoints["gqa"], tmp_path / "demo")
+    (demo / DEMO_MARKER).write_text("random weights\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanovllm",
+            "serve",
+            str(demo),
+            "--port",
+            "0",
+            "--max-num-seqs",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # told before the engine is built, which this bad option then stops
+    assert result.returncode == 2 and "max_num_seqs" in result.stderr
+    assert "tiny demo checkpoint: its weights are random" in result.stderr
+    assert DOWNLOAD_COMMAND in result.stderr

@@ -14,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from conftest import imported_modules
 from serving import ENGINE, NAME, engine_flags, metrics, running_server, wait_until_idle
+
+from nanovllm.demo import DOWNLOAD_COMMAND
 
 KEY = "s3cret-key"
 ORIGIN = "http://allowed.example"
@@ -205,6 +208,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(server):
     assert refusals == [(400, pytest.approx(0, abs=2.0), "prompt")] * 4
 
 
+@pytest.mark.slow
 def test_memory_a_burst_of_large_requests_took_goes_back_when_idle(server):
     """Sixteen 12 MB bodies, eight at a time, refused: the event loop held their bytes and
     strings, hundreds of MB. The CPU runner keeps freed memory for reuse (platforms/cpu/host.py);
@@ -229,6 +233,7 @@ def test_memory_a_burst_of_large_requests_took_goes_back_when_idle(server):
 # -- starting ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_one_line_and_status_2_before_the_model_loads(checkpoints):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
@@ -250,3 +255,18 @@ def test_a_port_in_use_is_one_line_and_status_2_before_the_model_loads(checkpoin
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and f"127.0.0.1:{port}" in result.stderr, result.stderr
     assert "in use" in result.stderr and time.monotonic() - start < 60
+
+
+def test_a_missing_model_is_one_line_and_status_2_before_torch_is_imported(tmp_path):
+    missing = tmp_path / "no-model"
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "nanovllm", "serve", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    told = [x for x in result.stderr.splitlines() if not x.startswith("import time:")]
+    assert len(told) == 1 and f"no model at {str(missing)!r}" in told[0], told
+    assert DOWNLOAD_COMMAND in told[0]
+    assert "torch" not in imported_modules(result.stderr)

@@ -229,6 +229,7 @@ def test_a_bad_speculative_config_is_a_value_error_naming_the_key(checkpoints):
         )
 
 
+@pytest.mark.slow
 def test_tensor_parallel_speculation_matches_transformers(checkpoints):
     prompts = [looping(15, 5, 6), random_prompt(16, 12)]
     engine = dict(ENGINE, device="cpu", tensor_parallel_size=2)

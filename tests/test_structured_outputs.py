@@ -341,6 +341,7 @@ def test_async_scheduling_gives_the_synchronous_engines_constrained_outputs(path
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.slow
 def test_tensor_parallel_engines_give_one_ranks_constrained_outputs(path, llm):
     """Rank 0 samples, with its matchers; the spawned rank never sees a grammar."""
     prompts = make_prompts([9, 13], seed=12)

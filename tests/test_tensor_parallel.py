@@ -97,6 +97,7 @@ def raises_within(seconds: float, fn) -> BaseException:
     return outcome[0]
 
 
+@pytest.mark.slow
 def test_two_tp2_engines_at_once_match_transformers_and_tp1_then_close_cleanly(
     checkpoints, biased_tied
 ):
@@ -118,6 +119,7 @@ def test_two_tp2_engines_at_once_match_transformers_and_tp1_then_close_cleanly(
     assert not [p for p in workers if is_running(p.pid)]
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_match_then_deleting_the_llm_stops_its_workers(checkpoints):
     path = checkpoints["gqa"]
     prompts = make_prompts([20, 30, 12, 25, 40, 8], seed=7)  # test_qwen3_parity's: cached
@@ -134,6 +136,7 @@ def test_chunked_prefill_and_preemption_match_then_deleting_the_llm_stops_its_wo
     assert not is_running(workers[0].pid)
 
 
+@pytest.mark.slow
 def test_a_worker_ignores_ctrl_c_but_a_killed_one_makes_the_next_generate_raise(checkpoints):
     path = checkpoints["gqa"]
     prompts = make_prompts([5, 20], seed=13)
@@ -151,6 +154,7 @@ def test_a_worker_ignores_ctrl_c_but_a_killed_one_makes_the_next_generate_raise(
         assert isinstance(error, RuntimeError)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_generate_makes_it_raise_within_seconds(checkpoints):
     with LLM(str(checkpoints["gqa"]), num_kvcache_blocks=128, **TP2) as llm:
         worker = worker_processes(llm)[0]
@@ -160,6 +164,7 @@ def test_a_worker_killed_mid_generate_makes_it_raise_within_seconds(checkpoints)
         assert isinstance(error, RuntimeError) and "worker rank 1" in str(error), error
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_on_rank_0_leaves_the_engine_refusing_to_run(checkpoints):
     class Interrupted(Exception):
         pass
@@ -179,6 +184,7 @@ def test_a_step_that_fails_on_rank_0_leaves_the_engine_refusing_to_run(checkpoin
     assert monotonic() - start < 3 and not is_running(worker.pid)  # not stuck in its collective
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end", ["exit without close", "killed"])
 def test_workers_end_with_the_callers_process(checkpoints, end):
     last_line = "os.kill(os.getpid(), signal.SIGKILL)" if end == "killed" else "pass"

@@ -5,7 +5,8 @@
 Every Config field is an option, spelled in kebab case (`--max-num-seqs 64`,
 `--enforce-eager` / `--no-enforce-eager`); Config checks the values. The HTTP options
 (`--api-key`, `--max-request-bytes`, vLLM's CORS flags) are guards.py's. The port is taken
-first: one in use is one line on stderr and exit status 2, before the model loads. Once the
+first: one in use is one line on stderr and exit status 2, before the model loads; so is a
+model directory without config.json, when it follows `serve`, before torch is imported. Once the
 model is loaded the server prints `nanovllm: serving MODEL on http://HOST:PORT` (the port
 the OS chose for `--port 0`). SIGINT / SIGTERM stop it: no new connections, every request
 in flight aborted (streams end with finish_reason "abort"), the engine and its TP workers
@@ -22,7 +23,7 @@ import sys
 import typing
 from dataclasses import MISSING, fields
 
-from nanovllm.config import Config
+from nanovllm.demo import DOWNLOAD_COMMAND, is_demo_checkpoint
 
 SERVER_OPTIONS = (
     "host",
@@ -99,6 +100,8 @@ def json_strings(value: str) -> tuple[str, ...]:
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """One option per Config field; an option not given leaves Config's default."""
+    from nanovllm.config import Config  # imports transformers and torch: seconds
+
     group = parser.add_argument_group("engine options (Config fields)")
     for f in fields(Config):
         if not f.init or f.name == "model":
@@ -129,6 +132,10 @@ def option_type(annotation: object) -> type:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if missing := missing_model(argv):  # before build_parser, which imports torch
+        print(missing, file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
@@ -141,6 +148,21 @@ def main(argv: list[str] | None = None) -> int:
             1, f"nanovllm serve needs the serve extra (pip install 'nano-vllm[serve]'): {e}\n"
         )
     return serve(parser, args, sock)
+
+
+def missing_model(argv: list[str]) -> str | None:
+    """The error for `serve MODEL ...` where MODEL has no config.json; None otherwise. Only a
+    model right after `serve` is surely the positional argument before the options are known
+    (`--port 8000 MODEL` needs the parser); Config checks every model again."""
+    if len(argv) < 2 or argv[0] != "serve" or argv[1].startswith("-"):
+        return None
+    asks_for_help = bool({"-h", "--help"} & set(argv))
+    if asks_for_help or os.path.isfile(os.path.join(os.path.expanduser(argv[1]), "config.json")):
+        return None
+    return (
+        f"nanovllm serve: no model at {argv[1]!r} (no config.json in it); serve a model "
+        f"directory, e.g. Qwen3-0.6B after `{DOWNLOAD_COMMAND}`"
+    )
 
 
 def listen(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
@@ -172,6 +194,13 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socke
         args.allow_credentials,
     )
     log_as_uvicorn_does(logging.getLogger("nanovllm"))
+    if is_demo_checkpoint(args.model):
+        logging.getLogger("nanovllm").warning(
+            "%s is nanovllm's tiny demo checkpoint: its weights are random, its text is noise. "
+            "For a real model: %s",
+            args.model,
+            DOWNLOAD_COMMAND,
+        )
     try:
         engine = LLMEngine(args.model, **options)
     except (TypeError, ValueError) as e:

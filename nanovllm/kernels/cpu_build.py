@@ -7,9 +7,15 @@ holds, loaded by libtorch.
 
 `load_library` is None, with one warning saying why, when no compiler is found or the build
 fails; the caller then falls back to PyTorch (and says how in the warning).
+
+A process's first build says so first, on the "nanovllm" logger at WARNING: the level Python
+shows with no logging configured, so a first run does not look stalled. A default CPU run builds
+cpu_ops, cpu_sample and cpu_decode: 4.9 s together on a 2-core AMD EPYC (1.4, 0.2 and 3.3 s; int8
+weights add cpu_int8, 4.0 s).
 """
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -17,6 +23,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+FIRST_BUILD_S = 5  # a default run's builds (module docstring)
 
 
 def load_library(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.CDLL | None:
@@ -28,11 +36,19 @@ def load_library(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.
     try:
         path = _cache_dir() / f"{source.stem}-{_build_key(source, compiler, flags)}.so"
         if not path.exists():
+            _announce_first_build(path.parent)
             _compile(source, compiler, flags, path)
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or str(error)
         return _unavailable(source, f"building or loading it failed: {detail[-800:]}", fallback)
+
+
+@functools.cache  # once a process: the libraries a run builds are one wait to the user
+def _announce_first_build(cache: Path) -> None:
+    logging.getLogger("nanovllm").warning(
+        "compiling the CPU kernels (once, cached under %s): ~%d s", cache, FIRST_BUILD_S
+    )
 
 
 def _unavailable(source: Path, reason: str, fallback: str) -> None:
