@@ -9,7 +9,13 @@ from conftest import hf_greedy, native_library
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu_int8, cpu_step
-from nanovllm.platforms.cpu.decode_step import F32_MAX_ROWS, INT8_MAX_ROWS, NativeDecodeStep
+from nanovllm.platforms.cpu.decode_step import (
+    F32_MAX_ROWS,
+    F32_MAX_ROWS_CACHED,
+    INT8_MAX_ROWS,
+    NativeDecodeStep,
+    f32_max_rows,
+)
 
 EPS32 = 2.0**-24
 
@@ -72,15 +78,16 @@ def test_the_native_step_decodes_as_the_eager_model(families, quantization):
 def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
     path = checkpoints["gqa"]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    prompts = [[5 + i, 7, 9] for i in range(F32_MAX_ROWS + 3)]
+    prompts = [[5 + i, 7, 9] for i in range(F32_MAX_ROWS_CACHED + 3)]
     with LLM(str(path), device="cpu", dtype="float32") as llm:  # on by default
         step = llm.model_runner.fast_decode
-        assert step.can_run(F32_MAX_ROWS) and not step.can_run(F32_MAX_ROWS + 1)
+        limit = F32_MAX_ROWS_CACHED  # a tiny model's layers stay in the caches
+        assert step.can_run(limit) and not step.can_run(limit + 1)
         calls = []
         run = step.run
         step.run = lambda *args: calls.append(len(args[0])) or run(*args)
         big = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert calls == []  # F32_MAX_ROWS + 3 rows a step: eager
+        assert calls == []  # limit + 3 rows a step: eager
         small = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
         assert calls == [1, 1]  # the two decode steps after the prefill
     assert big[0].outputs[0].token_ids == small[0].outputs[0].token_ids
@@ -98,6 +105,20 @@ def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
     for off in (dict(enforce_eager=True), dict(cpu_decode_step=False)):
         with LLM(str(path), device="cpu", dtype="float32", **off) as llm:
             assert llm.model_runner.fast_decode is None, off
+
+
+def test_a_model_whose_layers_stream_from_memory_takes_fewer_float32_rows(tmp_path):
+    """Qwen3-0.6B's layers (63 MB of float32 weights each): the eager layers' packed GEMM is the
+    faster from 3 rows there; the tests' tiny model runs up to F32_MAX_ROWS_CACHED natively."""
+    from transformers import AutoConfig
+
+    from nanovllm.demo import QWEN3_0_6B_CONFIG, write_weightless_checkpoint
+    from nanovllm.models.registry import get_model_class
+
+    config = AutoConfig.from_pretrained(write_weightless_checkpoint(tmp_path, QWEN3_0_6B_CONFIG))
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    assert f32_max_rows(model) == F32_MAX_ROWS < F32_MAX_ROWS_CACHED
 
 
 def test_cpu_decode_step_must_be_a_bool(checkpoints):

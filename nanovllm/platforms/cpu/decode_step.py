@@ -1,6 +1,6 @@
 """A CPU's decode step in one native call (kernels/cpu_step.py), its counterpart of the CUDA
 graphs (a FastDecode, platforms/interface.py): the embedding, every layer and the final norm of
-a dense decoder (Qwen3, Qwen2, Llama, Mistral) for small decode batches (F32_MAX_ROWS rows,
+a dense decoder (Qwen3, Qwen2, Llama, Mistral) for small decode batches (f32_max_rows(), or
 INT8_MAX_ROWS with int8 weights), with no PyTorch op between. Everything else (prefill chunks,
 larger batches, MoE, tensor parallelism, half precision, enforce_eager) runs the eager model. In
 a small model's decode step most of the time went to the PyTorch ops around each layer's GEMVs
@@ -14,10 +14,16 @@ from nanovllm.config import Config
 from nanovllm.kernels import cpu_int8, cpu_step
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
 
-# The most decode rows a step runs natively (docs/cpu.md#the-native-decode-step): float32 GEMMs of
-# more rows ran faster through oneDNN's packed weights (weights.py) at Qwen3-0.6B's shape; int8
-# weights take the same kernel either way, up to where the eager path dequantizes them (AVX2).
-F32_MAX_ROWS = 4
+# The most decode rows a step runs natively, where it measured faster than the eager layers
+# (docs/cpu.md#the-native-decode-step). Float32: the step's GEMV reads a weight once for all its
+# rows but sums each row apart, where oneDNN's packed GEMM (weights.py, the eager layers' from 2
+# rows) tiles rows in registers. Where a layer's weights stay in the caches (a small model) the
+# PyTorch ops the step saves weigh most: up to F32_MAX_ROWS_CACHED rows; where they stream from
+# memory (Qwen3-0.6B's, 63 MB a layer), F32_MAX_ROWS. Int8 weights take the same kernel either
+# way, up to where the eager path dequantizes them (AVX2).
+F32_MAX_ROWS = 2
+F32_MAX_ROWS_CACHED = 16
+F32_CACHED_LAYER_BYTES = 8 * 2**20  # a layer's float32 linears at most this: "in the caches"
 INT8_MAX_ROWS = 128
 
 
@@ -43,7 +49,7 @@ def native_decode_step(
 class NativeDecodeStep:
     def __init__(self, model: DecoderForCausalLM, block_size: int, int8: bool):
         self.model, self.block_size, self.int8 = model, block_size, int8
-        self.max_rows = INT8_MAX_ROWS if int8 else F32_MAX_ROWS
+        self.max_rows = INT8_MAX_ROWS if int8 else f32_max_rows(model)
         self.step: cpu_step.DecoderStep | None = None
 
     def capture(self) -> None:
@@ -87,6 +93,15 @@ class NativeDecodeStep:
 
     def close(self) -> None:
         self.step = None
+
+
+def f32_max_rows(model: DecoderForCausalLM) -> int:
+    """The float32 row limit for this model, by the bytes of one layer's linear weights."""
+    layer = model.model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)
+    weights = [linear.weight for linear in (*linears, layer.mlp.down_proj)]
+    layer_bytes = sum(w.numel() * w.element_size() for w in weights)
+    return F32_MAX_ROWS_CACHED if layer_bytes <= F32_CACHED_LAYER_BYTES else F32_MAX_ROWS
 
 
 def _linear(layer: nn.Module, int8: bool) -> cpu_step.Linear:
