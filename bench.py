@@ -331,6 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
         help='nanovllm: speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (default off); its acceptance is reported',
     )
+    p.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="nanovllm: N random LoRA adapters (every projection), the requests naming them "
+        "in turn; all N in one batch (default 0: the base model)",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="their rank (default 16)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--max-model-len", type=int, default=4096, help="(default 4096)")
     p.add_argument(
@@ -428,6 +437,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.lora_adapters < 0 or args.lora_rank < 1:
+        raise ValueError("--lora-adapters must be >= 0 and --lora-rank >= 1")
     peers = [p.strip() for p in args.compare.split(",") if p.strip()] if args.compare else []
     unknown = [p for p in peers if p not in BACKENDS[1:]]
     if unknown:
@@ -602,6 +613,8 @@ def child_argv(args: argparse.Namespace, backend: str, json_path: str) -> list[s
         "scheduling_policy",
         "quantization",
         "speculative_config",
+        "lora_adapters",
+        "lora_rank",
     ):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -43,6 +43,8 @@ def _peak_gpu_mib() -> float | None:
 def run_nanovllm(args, spec, workload) -> dict:
     from nanovllm import LLM, SamplingParams
 
+    loras = lora_requests(args, spec)
+    lora_options = dict(enable_lora=True, max_loras=len(loras), max_lora_rank=args.lora_rank)
     llm = LLM(
         spec.path,
         load_format=spec.load_format,
@@ -58,6 +60,7 @@ def run_nanovllm(args, spec, workload) -> dict:
         cpu_threads=args.threads or 0,
         quantization=args.quantization,
         speculative_config=args.speculative_config,
+        **(lora_options if loras else {}),
     )
     try:
         warmup = SamplingParams(
@@ -69,7 +72,8 @@ def run_nanovllm(args, spec, workload) -> dict:
             for n in workload.output_lens
         ]
         before = llm.stats().spec_decode  # the warm-up's drafts are not the run's
-        result = _timed_steps(llm, workload.prompts, params)
+        per_request = [loras[i % len(loras)] for i in range(len(params))] if loras else None
+        result = _timed_steps(llm, workload.prompts, params, per_request)
         if before is not None:
             result["spec_decode"] = spec_decode_figures(before, llm.stats().spec_decode)
         result["peak_gpu_mib"] = _peak_gpu_mib()
@@ -80,6 +84,31 @@ def run_nanovllm(args, spec, workload) -> dict:
     if result["status"] == "ok":  # the bandwidth estimate counts the whole workload's reads
         result.update(decode_figures(result, spec.hf_config, result["dtype"], workload))
     return result
+
+
+def lora_requests(args, spec) -> list:
+    """--lora-adapters random adapters of --lora-rank, in a temporary directory (removed when
+    the process exits)."""
+    if not getattr(args, "lora_adapters", 0):
+        return []
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.lora_adapters import write_random_adapter
+    from nanovllm.lora.request import LoRARequest
+
+    root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return [
+        LoRARequest(
+            f"lora{i}",
+            i + 1,
+            str(write_random_adapter(spec.hf_config, root / str(i), args.lora_rank, i)),
+        )
+        for i in range(args.lora_adapters)
+    ]
 
 
 def spec_decode_figures(before, after) -> dict:
@@ -116,7 +145,7 @@ def _redraw_until(bar: tqdm, done: threading.Event) -> None:
         bar.refresh()  # under tqdm's lock, as update() draws
 
 
-def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:
+def _timed_steps(llm, prompts: list[list[int]], params: list, loras: list | None = None) -> dict:
     """generate()'s loop, timing each step: a step with prompt work (a mixed step too)
     counts as prefill time, a pure decode step as decode time. Ctrl-C ends it early.
 
@@ -124,8 +153,8 @@ def _timed_steps(llm, prompts: list[list[int]], params: list) -> dict:
     left hold through the long prefill steps of a CPU (the last output token of a request is
     sampled, never computed; a preempted request computes its tokens again, past the total)."""
     start = perf_counter()
-    for prompt, sp in zip(prompts, params):
-        llm.add_request(prompt, sp)
+    for prompt, sp, lora in zip(prompts, params, loras or [None] * len(prompts)):
+        llm.add_request(llm.make_request(prompt, sp, lora_request=lora))
     figures = {"prefill_time_s": 0.0, "decode_time_s": 0.0, "num_decode_steps": 0}
     status, output_tokens = "ok", 0
     to_compute = sum(map(len, prompts)) + sum(sp.max_tokens - 1 for sp in params)

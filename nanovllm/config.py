@@ -47,6 +47,9 @@ class Config:
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
     speculative_config: dict | str | None = None  # n-gram drafts: nanovllm/speculative/
+    enable_lora: bool = False  # LoRA adapters, per request (nanovllm/lora/)
+    max_loras: int = 1  # adapters in one step (their slots), with enable_lora
+    max_lora_rank: int = 16  # the highest adapter rank accepted, with enable_lora
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,8 +73,10 @@ class Config:
             "cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, 0, math.inf, "> 0", low_open=True
         )
         check_int("max_logprobs", self.max_logprobs, minimum=0)
-        for name in ("enforce_eager", "cpu_decode_step", "enable_prefix_caching"):
+        for name in ("enforce_eager", "cpu_decode_step", "enable_prefix_caching", "enable_lora"):
             check_bool(name, getattr(self, name))
+        check_int("max_loras", self.max_loras, minimum=1)
+        check_int("max_lora_rank", self.max_lora_rank, minimum=1)
         if check_bool("async_scheduling", self.async_scheduling) and self.tensor_parallel_size > 1:
             raise ValueError(
                 "async_scheduling works on one rank: pass tensor_parallel_size=1 "

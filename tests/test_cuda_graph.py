@@ -73,6 +73,7 @@ def test_loading_a_batch_pads_its_rows_and_clears_what_the_last_one_left():
         max_num_seqs=8,
         max_model_len=15,
         kvcache_block_size=4,
+        enable_lora=False,
     )
     buffers = CUDAGraphRunner(None, config, torch.float32, CPU)
     wide = decode_metadata(

@@ -1,10 +1,14 @@
 """Per-step attention metadata, set by the runner inside `attention_context(...)` only."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanovllm.utils import Scoped
+
+if TYPE_CHECKING:
+    from nanovllm.lora.mapping import LoRAMapping
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class ForwardContext:
     prefill: AttentionMetadata | None = None  # the rows after them
     num_decode_tokens: int = 0
     logits_indices: torch.Tensor | None = None  # [num_seqs] each sequence's last row; None: all
+    lora: "LoRAMapping | None" = None  # each row's LoRA adapter (lora/), when a row has one
 
 
 _current: Scoped[ForwardContext | None] = Scoped(None)

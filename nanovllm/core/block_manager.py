@@ -1,7 +1,8 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, a free list, ref counts and a prefix cache.
 Position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
-A full block's hash chains its predecessor's hash with its token ids; hits are confirmed by token
-ids and predecessor, so a collision costs a miss, never wrong KV. A freed block keeps its hash
+A full block's hash chains its predecessor's hash with its token ids (a first block's chains its
+sequence's LoRA adapter instead: an adapter's KV is its own); hits are confirmed by token ids and
+predecessor (and adapter), so a collision costs a miss, never wrong KV. A freed block keeps its hash
 and content until the free list hands it out again, so it can be revived."""
 
 from array import array
@@ -21,6 +22,7 @@ class Block:
     hash: int | None = None  # set once the block is full and its KV computed
     token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to confirm hits
     parent_id: int | None = None  # the block before this one when it was hashed
+    salt: int = 0  # a first block's: the LoRA adapter its KV was computed under (0: none)
 
 
 def compute_block_hash(token_ids: tuple[int, ...], parent_hash: int | None) -> int:
@@ -58,7 +60,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
         cached: list[int] = []
-        parent_hash = parent_id = None
+        parent_hash, parent_id = seq.lora_int_id or None, None
         for i in range(len(seq) // self.block_size):
             token_ids = tuple(seq.block(i))
             h = compute_block_hash(token_ids, parent_hash)
@@ -68,6 +70,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.parent_id != parent_id or block.token_ids != token_ids:
                 break  # a hash collision: recompute rather than trust it
+            if i == 0 and block.salt != seq.lora_int_id:
+                break
             cached.append(block_id)
             parent_hash, parent_id = h, block_id
         return cached
@@ -122,7 +126,11 @@ class BlockManager:
             if block.hash is not None:
                 continue  # reused from the cache, already hashed
             block.parent_id = seq.block_table[i - 1] if i > 0 else None
-            parent_hash = None if block.parent_id is None else self.blocks[block.parent_id].hash
+            if block.parent_id is None:
+                block.salt = seq.lora_int_id
+                parent_hash = block.salt or None
+            else:
+                parent_hash = self.blocks[block.parent_id].hash
             block.token_ids = tuple(seq.block(i))
             block.hash = compute_block_hash(block.token_ids, parent_hash)
             # The first block to reach a hash keeps it; a twin from the same step stays private.
@@ -133,6 +141,6 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its cached content is evicted now
-        block.hash, block.token_ids, block.parent_id = None, (), None
+        block.hash, block.token_ids, block.parent_id, block.salt = None, (), None, 0
         block.ref_count = 1
         return block_id

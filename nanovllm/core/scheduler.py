@@ -11,6 +11,7 @@ is mid-prefill between steps.
 """
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Protocol
 
 from nanovllm.core.block_manager import BlockManager
@@ -29,6 +30,13 @@ class StopStrings(Protocol):
         """Forget a finished sequence."""
 
 
+class Admission(Protocol):
+    """Whether a waiting sequence may start beside the running ones (LoRA's: while its adapter
+    can have a slot, lora/scheduling.py); a refused one waits at the head of the queue."""
+
+    def admits(self, seq: Sequence, running: Iterable[Sequence]) -> bool: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -39,6 +47,7 @@ class Scheduler:
         max_model_len: int,
         stop_strings: StopStrings | None = None,
         policy: str = "mixed",
+        admission: Admission | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -46,6 +55,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.stop_strings = stop_strings  # needed only by requests with stop strings
         self.policy = policy  # "mixed" (decode first) or "prefill_first"
+        self.admission = admission  # a seam's limit on what may start (LoRA's slots)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0  # statistics
@@ -137,6 +147,8 @@ class Scheduler:
                 and self.block_manager.enable_prefix_caching
             ):
                 break  # it is ahead in the queue (a preempted one goes back to the front)
+            if self.admission is not None and not self.admission.admits(seq, self.running):
+                break
             # Look the prefix up first: the budget is spent only on uncached tokens.
             cached_blocks = self.block_manager.get_cached_blocks(seq)
             if not self.block_manager.can_allocate(seq, cached_blocks):

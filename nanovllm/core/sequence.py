@@ -49,8 +49,10 @@ class Sequence:
         eos_token_ids: Iterable[int] = (),
         parent: "Sequence | None" = None,
         index: int = 0,
+        lora_int_id: int = 0,
     ):
-        """n > 1: `parent` is the request's first sequence, `index` which completion this is."""
+        """n > 1: `parent` is the request's first sequence, `index` which completion this is.
+        `lora_int_id`: the LoRA adapter it runs under (lora/), 0 for the base model."""
         self.seq_id = next(Sequence._next_id)
         self.status = WAITING
         self.token_ids = list(token_ids)
@@ -69,6 +71,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_text: str | None = None  # the text before the stop string that ended it
         self.parent, self.index = parent, index
+        self.lora_int_id = lora_int_id
         self.request_id = self.seq_id if parent is None else parent.seq_id  # add_request() gave
         self.num_prefix_cached_tokens = -1  # prompt tokens that were prefix-cache hits
         # Asked-for logprobs as they come: per completion token; per prompt token (once a request)

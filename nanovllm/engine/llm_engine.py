@@ -20,6 +20,7 @@ from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanovllm.lora.request import LoRARequest
     from nanovllm.speculative.metrics import SpecDecodeStats
     from nanovllm.structured import StructuredOutputs
 
@@ -33,6 +34,7 @@ class EngineRequest:
     prompt: str | None  # its text; None for a token-id prompt
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    lora_int_id: int = 0  # the LoRA adapter it runs under; 0: the base model
 
 
 class NewToken(NamedTuple):
@@ -113,9 +115,11 @@ class LLMEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         index: int | None = None,
+        lora_request: "LoRARequest | None" = None,
     ) -> EngineRequest:
         """Tokenize and check a request without queueing it; an error names `index` (a
-        prompt's place in a list), if given."""
+        prompt's place in a list), if given. `lora_request`: the adapter it runs under, read
+        and checked now (enable_lora)."""
         self.check_open()
         where = "" if index is None else f"prompt {index}: "
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -134,9 +138,13 @@ class LLMEngine:
                 self.prepare_structured_outputs(params)
             self.loop.check(params)  # what the step loop cannot do
             self.scheduler.check_fits(len(token_ids), params.max_tokens)
+            lora_int_id = 0
+            if lora_request is not None:
+                self.add_lora(lora_request)
+                lora_int_id = lora_request.lora_int_id
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}{e}") from None
-        return EngineRequest(text, token_ids, params)
+        return EngineRequest(text, token_ids, params, lora_int_id)
 
     def _tokenize(self, prompt: object) -> tuple[str | None, object]:
         """A prompt's text and token ids (checked by the caller); text is tokenized as vLLM
@@ -175,12 +183,45 @@ class LLMEngine:
     def _sequences(self, request: EngineRequest) -> list[Sequence]:
         """A request's n sequences; the i-th's seed is seed + i, as vLLM's."""
         params, block_size = request.sampling_params, self.config.kvcache_block_size
-        first = Sequence(request.prompt_token_ids, params, block_size, self.eos_token_ids)
+        eos, lora = self.eos_token_ids, request.lora_int_id
+        first = Sequence(request.prompt_token_ids, params, block_size, eos, lora_int_id=lora)
         seqs = [first]
         for i in range(1, params.n):
             own = params if params.seed is None else replace(params, seed=params.seed + i)
-            seqs.append(Sequence(first.token_ids, own, block_size, self.eos_token_ids, first, i))
+            seqs.append(Sequence(first.token_ids, own, block_size, eos, first, i, lora))
         return seqs
+
+    # -- LoRA adapters (vLLM's LLMEngine API), with enable_lora ------------------------------
+
+    def add_lora(self, lora_request: "LoRARequest") -> bool:
+        """Read and check a PEFT adapter and load it on every rank; False if it was known
+        already. A bad one is a ValueError (TypeError for a wrong type), nothing kept."""
+        from nanovllm.lora.request import LoRARequest
+
+        self._check_lora_enabled()
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(
+                f"lora_request must be a LoRARequest (nanovllm.lora.request), got "
+                f"{type(lora_request).__name__}"
+            )
+        return self.model_runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if it is unknown. A ValueError while a request uses it."""
+        self._check_lora_enabled()
+        pending = (*self.scheduler.waiting, *self.scheduler.running)
+        if users := sum(seq.lora_int_id == lora_int_id for seq in pending):
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {users} sequence(s)")
+        return self.model_runner.call("lora_call", "remove", lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters added."""
+        self._check_lora_enabled()
+        return self.model_runner.lora_call("lora_ids")
+
+    def _check_lora_enabled(self) -> None:
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need LLM(..., enable_lora=True)")
 
     def abort_request(self, request_id: int) -> bool:
         """Drop a pending request (its n sequences), free their blocks; False if not pending."""

@@ -93,12 +93,17 @@ class SyncLoop:
 
 def scheduler_limits(config: Config) -> dict:
     """The Scheduler's keyword arguments from the engine's config."""
-    return dict(
+    limits = dict(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
         policy=config.scheduling_policy,
     )
+    if config.enable_lora:  # a request waits while its adapter can have no slot
+        from nanovllm.lora.scheduling import AdapterSlots
+
+        limits["admission"] = AdapterSlots(config.max_loras)
+    return limits
 
 
 def count_tokens(seqs: list[Sequence]) -> tuple[int, int]:

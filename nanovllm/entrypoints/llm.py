@@ -5,6 +5,7 @@ out["token_ids"]. Like the server, it uses only the engine's public API."""
 from functools import partial
 from numbers import Integral
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -13,6 +14,9 @@ from nanovllm.engine import LLMEngine, Prompt
 from nanovllm.engine.llm_engine import EngineRequest
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.lora.request import LoRARequest
 
 
 class LLM(LLMEngine):
@@ -32,14 +36,22 @@ class LLM(LLMEngine):
         prompts: list[Prompt] | Prompt,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: "LoRARequest | list[LoRARequest | None] | None" = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; a RequestOutput per prompt, in prompt order.
         Every prompt is checked before any is queued: one bad prompt rejects the call with
-        an error naming its index."""
+        an error naming its index. `lora_request`: one LoRA adapter for all, or one (or None)
+        per prompt (enable_lora)."""
         self.check_open()
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
-        requests = [self.make_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        loras = as_per_prompt(lora_request, len(prompts), "lora_request")
+        if self.replicas is not None and lora_request is not None:
+            raise ValueError("lora_request is not supported with data_parallel_size > 1")
+        requests = [
+            self.make_request(p, sp, i, lora)
+            for i, (p, sp, lora) in enumerate(zip(prompts, params, loras))
+        ]
         if self.replicas is not None:
             generate_here = partial(self._generate, use_tqdm=use_tqdm)
             return self.replicas.generate(prompts, params, requests, generate_here)
@@ -91,6 +103,7 @@ class LLM(LLMEngine):
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: "LoRARequest | list[LoRARequest | None] | None" = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
@@ -102,7 +115,7 @@ class LLM(LLMEngine):
         prompts = render_conversations(
             self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs
         )
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -127,6 +140,18 @@ def as_prompt_list(prompts: object) -> list[Prompt]:
             "prompts is a flat list of ints; wrap one tokenized prompt in a list: [[1, 2, 3]]"
         )
     return list(prompts)
+
+
+def as_per_prompt(value: object, num_prompts: int, name: str) -> list:
+    """One entry per prompt: a list is taken as given (its length checked), anything else is
+    the same for every prompt (the callee checks its type)."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(
+            f"got {len(value)} {name}s for {num_prompts} prompts; pass one or one each"
+        )
+    return list(value)
 
 
 def as_params_list(sampling_params: object, num_prompts: int) -> list[SamplingParams | None]:

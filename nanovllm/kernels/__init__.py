@@ -7,6 +7,7 @@ layouts it is given, naming the argument (kernels/layout.py).
     paged_prefill_attention  causal varlen attention, keys from the chunk or the paged cache
     fused_moe                a mixture of experts' two projections as grouped GEMMs over
                              the tokens sorted by expert
+    lora_bgmv                LoRA's shrink and expand GEMMs, each row under its own adapter
 
     cpu_decode               (C++, not Triton) the CPU's paged decode, see cpu_decode.py
     cpu_ops                  (C++) the CPU's RMSNorm (+ residual) and rotary, bit-equal to the
@@ -30,6 +31,7 @@ _HOMES = {
     "paged_prefill_attention": "paged_attention",
     "store_kvcache": "store_kvcache",
     "fused_moe": "fused_moe",
+    "lora_bgmv": "lora",
 }
 
 __all__ = list(_HOMES)

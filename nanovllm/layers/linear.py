@@ -78,6 +78,7 @@ class LinearBase(FormattedWeight, nn.Module):
         super().__init__()
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
+        self.input_size, self.output_size = input_size, output_size  # this rank's
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         if bias:

@@ -13,6 +13,7 @@ import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,7 @@ from nanovllm.sampling.metadata import LogitsHook, SamplingMetadataBuilder
 from nanovllm.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
+    from nanovllm.lora.request import LoRARequest
     from nanovllm.sampling.verify import VerifyOutput
 
 
@@ -64,9 +66,14 @@ class ModelRunner:
         )
         self.workers = None  # rank 0's handle on the spawned ranks 1..N-1
         self.tp_group = self._init_tensor_parallel(port)
+        self.lora = None  # the LoRA adapters (lora/manager.py), with enable_lora
         with ops_scope(self.platform.op_choice()):  # the hot ops the platform chose
             self.model = self._build_model()
             self.sampler = Sampler()
+            if config.enable_lora:
+                from nanovllm.lora.manager import LoRAManager
+
+                self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
@@ -210,10 +217,33 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """A step's work, queued on the device: on rank 0 the sampled ids [len(seqs)] (still on
         the device) and the logprobs asked for. `feed` (async scheduling): see forward()."""
-        logits = self.call("forward", prepare_inputs(seqs, self.block_size), feed)
+        logits = self.call("forward", self._step_inputs(seqs), feed)
         if self.rank != 0:
             return None
         return self.sample(seqs, logits)
+
+    def _step_inputs(self, seqs: list[Sequence]) -> StepInputs:
+        """A batch's inputs (step_inputs.py), with each row's LoRA adapter where enabled: the
+        adapters it needs are put in their slots on every rank first."""
+        inputs = prepare_inputs(seqs, self.block_size)
+        if self.lora is None:
+            return inputs
+        loads, mapping = self.lora.schedule(seqs)
+        if loads:
+            self.call("lora_call", "load_slots", loads)
+        return inputs._replace(context=replace(inputs.context, lora=mapping))
+
+    def add_lora(self, request: "LoRARequest") -> bool:
+        """Rank 0 reads and checks an adapter, then the other ranks load it: a bad one is
+        refused before they are asked, so they stay in step. False if it was known."""
+        added = self.lora.add(request)
+        if added and self.workers is not None:
+            self.workers.call(lambda *args: None, "lora_call", ("add", request))
+        return added
+
+    def lora_call(self, method: str, *args) -> object:
+        """This rank's LoRAManager.method(*args): call("lora_call", ...) runs it on every rank."""
+        return getattr(self.lora, method)(*args)
 
     @torch.inference_mode()
     def forward(
@@ -250,7 +280,7 @@ class ModelRunner:
         settings (sampling/verify.py); the others are sampled as run() samples them."""
         from nanovllm.sampling.verify import VerifyOutput, sample_positions, split_rows
 
-        logits = self.call("forward", prepare_inputs(seqs, self.block_size), None)
+        logits = self.call("forward", self._step_inputs(seqs), None)
         is_verified = [seq.seq_id in drafts for seq in seqs]
         plain = [seq for seq, v in zip(seqs, is_verified) if not v]
         verified = [seq for seq, v in zip(seqs, is_verified) if v]

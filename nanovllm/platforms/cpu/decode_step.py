@@ -38,6 +38,8 @@ def native_decode_step(
         return None
     if config.enforce_eager or config.attention_backend not in ("auto", "torch"):
         return None
+    if config.enable_lora:  # its GEMMs read the weights alone: the adapters would be left out
+        return None
     if not cpu_step.usable():
         return None
     int8 = config.quantization is not None  # "int8", checked by Config

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 
 from nanovllm.compilation import HotOp
-from nanovllm.kernels import cpu_decode, cpu_ops, cpu_sample
+from nanovllm.kernels import cpu_decode, cpu_lora, cpu_ops, cpu_sample
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb
 from nanovllm.sampling.ops import inverse_cdf_index, softmax_race
@@ -30,6 +30,23 @@ def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
     return cpu_sample.sample(library, logits, u)
 
 
+# Rows up to which a LoRA layer's adapters run in one C++ call; more (a prefill chunk) run the
+# eager op's GEMMs per adapter, whose cost a few rows do not repay (docs/lora.md).
+LORA_NATIVE_MAX_ROWS = 256
+
+
+def native_lora_delta(eager: Callable, y, x, a, b, mapping) -> torch.Tensor:
+    """A LoRA layer's adapters (lora/ops.py): a decode step's rows in one C++ call
+    (kernels/cpu_lora.py), or the eager op."""
+    if len(x) <= LORA_NATIVE_MAX_ROWS and cpu_lora.fits(x, a, b, y):
+        if (library := cpu_lora.load()) is not None:
+            return cpu_lora.lora_bgmv(library, y, x, a, b, mapping.slots)
+    return eager(y, x, a, b, mapping)
+
+
+# The twins of seams' hot ops, by the op's name: their modules are imported only when on.
+NATIVE_BY_NAME: dict[str, Callable] = {"lora_delta": native_lora_delta}
+
 NATIVE: dict[HotOp, Callable] = {
     rms_norm: partial(cpu_ops.rms_norm, rms_norm.eager),
     add_rms_norm: partial(cpu_ops.add_rms_norm, add_rms_norm.eager),
@@ -40,6 +57,8 @@ NATIVE: dict[HotOp, Callable] = {
 
 def native_ops(op: HotOp) -> Callable:
     """A CPU platform's OpChoice: the native twin where there is one."""
+    if op.name in NATIVE_BY_NAME:
+        return partial(NATIVE_BY_NAME[op.name], op.eager)
     return NATIVE.get(op, op.eager)
 
 

@@ -78,8 +78,16 @@ def triton_fused_moe(*args: torch.Tensor) -> torch.Tensor:
     return fused_moe(*args)
 
 
+def triton_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping):
+    """LoRA layers' adapters (lora/ops.py) as Triton kernels reading each row's slot on the
+    device (imports Triton on first call)."""
+    from nanovllm.kernels.lora import lora_bgmv
+
+    return lora_bgmv(y, x, a, b, mapping.slots)
+
+
 # Hot ops with a kernel of their own on CUDA, compiled or not; by the op's name.
-KERNELS: dict[str, Callable] = {"fused_moe_torch": triton_fused_moe}
+KERNELS: dict[str, Callable] = {"fused_moe_torch": triton_fused_moe, "lora_delta": triton_lora}
 
 
 def eager_cuda_ops(op: HotOp) -> Callable:

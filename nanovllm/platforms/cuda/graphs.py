@@ -8,6 +8,7 @@ from static buffers whose rows n.. are padding:
     slot_mapping    the batch's                    -1: store_kvcache writes nothing
     context_lens    the batch's                    0: attention reads nothing
     block_tables    the batch's, -1 past its width -1
+    lora_slots      the batch's (-1: no adapter)   -1: no adapter (with enable_lora)
 
 The block-table buffer holds max_model_len + 1 tokens' blocks (nano-vLLM issue #106)."""
 
@@ -41,6 +42,8 @@ class CUDAGraphRunner:
         self.slot_mapping = torch.full((rows,), -1, **i64)
         self.context_lens = torch.zeros(rows, **i32)
         self.block_tables = torch.full((rows, width), -1, **i32)
+        # each row's LoRA slot, read by the adapters' kernels on the device (lora/)
+        self.lora_slots = torch.full((rows,), -1, **i64) if config.enable_lora else None
         hidden_size = config.hf_config.hidden_size
         self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)  # hidden states
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -49,7 +52,12 @@ class CUDAGraphRunner:
     def metadata(self, size: int) -> ForwardContext:
         """A decode step viewing the first `size` rows (what a graph captures)."""
         decode = AttentionMetadata(self.block_tables[:size], context_lens=self.context_lens[:size])
-        return ForwardContext(self.slot_mapping[:size], decode=decode, num_decode_tokens=size)
+        lora = None
+        if self.lora_slots is not None:
+            from nanovllm.lora.mapping import LoRAMapping
+
+            lora = LoRAMapping(self.lora_slots[:size], [])
+        return ForwardContext(self.slot_mapping[:size], decode, num_decode_tokens=size, lora=lora)
 
     def load(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, size: int
@@ -65,6 +73,10 @@ class CUDAGraphRunner:
         self.context_lens[:n].copy_(ctx.decode.context_lens)
         self.block_tables[:size].fill_(-1)
         self.block_tables[:n, :width].copy_(ctx.decode.block_tables)
+        if self.lora_slots is not None:
+            self.lora_slots[:size].fill_(-1)
+            if ctx.lora is not None:
+                self.lora_slots[:n].copy_(ctx.lora.slots)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -110,4 +122,4 @@ class CUDAGraphRunner:
             graph.reset()
         self.graphs, self.pool = {}, None
         self.input_ids = self.positions = self.slot_mapping = None  # and the static buffers
-        self.context_lens = self.block_tables = self.outputs = None
+        self.context_lens = self.block_tables = self.outputs = self.lora_slots = None
