@@ -1,6 +1,7 @@
-"""LoRA's adapters on a CPU for a few rows (cpu_lora.cpp): y[i] += B[s] @ (A[s] @ x[i]) for each
-row i under slot s >= 0, one native call a layer. Built at first use and loaded with ctypes
-(kernels/cpu_build.py); `load()` is None, with one warning, where it cannot be."""
+"""LoRA's adapters on a CPU for a few rows (cpu_lora.cpp): y[i] += (a[s] @ x[i]) @ b[s] for each
+row i under slot s >= 0 (b: B transposed), one native call a layer. Built at first use and
+loaded with ctypes (kernels/cpu_build.py); `load()` is None, with one warning, where it cannot
+be."""
 
 import ctypes
 import functools
@@ -22,7 +23,7 @@ def load() -> ctypes.CDLL | None:
     library = load_library(SOURCE, FLAGS, "LoRA's adapters run as PyTorch GEMMs")
     if library is not None:
         library.nanovllm_lora_bgmv.argtypes = (
-            _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT
+            _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _INT
         )  # fmt: skip
         library.nanovllm_lora_bgmv.restype = None
     return library
@@ -50,12 +51,19 @@ def lora_bgmv(
     a: torch.Tensor,
     b: torch.Tensor,
     slots: torch.Tensor,
+    slice_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [rows, N] += b[s] @ (a[s] @ x[i]) per row (in place); a [slots, W, K], b [slots, N, W],
-    slots [rows] int64 (-1: nothing added). The caller checked fits()."""
+    """y [rows, N] += (a[s] @ x[i]) @ b[s] per row (in place); a [slots, W, K], b [slots, W, N],
+    slots [rows] int64 (-1: nothing added). `slice_ends` [S] int64: where each of the layer's S
+    slices of the N outputs ends, b holding slice j's weights in rows j*W/S .. (j+1)*W/S only
+    (None: one slice). The caller checked fits()."""
     rows, k = x.shape
     slots = slots.contiguous()
     assert slots.dtype == torch.int64 and slots.shape == (rows,), (slots.dtype, slots.shape)
+    if slice_ends is None:
+        slice_ends = torch.tensor([b.shape[2]])
+    assert slice_ends.dtype == torch.int64 and slice_ends[-1] == b.shape[2], slice_ends
+    assert a.shape[1] % len(slice_ends) == 0, (a.shape, slice_ends)
     library.nanovllm_lora_bgmv(
         x.data_ptr(),
         x.stride(0),
@@ -67,7 +75,9 @@ def lora_bgmv(
         rows,
         k,
         a.shape[1],
-        b.shape[1],
+        b.shape[2],
+        slice_ends.data_ptr(),
+        len(slice_ends),
         torch.get_num_threads(),
     )
     return y

@@ -3,7 +3,7 @@ never syncs with the host and a CUDA graph can capture it): for each row i whose
 is >= 0,
 
     shrink   t[i] = a[s] @ x[i]        a [slots, W, K]    (W: every slice's rank, stacked)
-    expand   y[i] += b[s] @ t[i]       b [slots, N, W]
+    expand   y[i] += t[i] @ b[s]       b [slots, W, N]    (B transposed)
 
 one program per (row, block of outputs), the weights read row by row as punica's "bgmv" does.
 A row of slot -1 (the base model) loads and stores nothing."""
@@ -26,6 +26,7 @@ def _bgmv_kernel(
     stride_x,
     stride_ws,
     stride_wn,
+    stride_wk,
     stride_out,
     ACCUMULATE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -44,7 +45,7 @@ def _bgmv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + offs_k, mask=offs_k < k_end, other=0.0)
         w_mask = (offs_n[:, None] < n_end) & (offs_k[None, :] < k_end)
-        w_offsets = slot * stride_ws + offs_n[:, None] * stride_wn + offs_k[None, :]
+        w_offsets = slot * stride_ws + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
         w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     out_mask = offs_n < n_end
@@ -55,10 +56,17 @@ def _bgmv_kernel(
 
 
 def _bgmv(
-    x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, accumulate: bool
+    x: torch.Tensor,
+    w: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    transposed: bool,
 ) -> None:
+    """out[i] (+)= w[s] @ x[i], w [slots, N, K]; or x[i] @ w[s], w [slots, K, N] (transposed)."""
     rows, k = x.shape
-    n = w.shape[1]
+    n = w.shape[2] if transposed else w.shape[1]
+    stride_wn, stride_wk = (w.stride(2), w.stride(1)) if transposed else (w.stride(1), w.stride(2))
     block_k = min(128, triton.next_power_of_2(k))
     block_n = min(64, triton.next_power_of_2(n))
     _bgmv_kernel[(rows, triton.cdiv(n, block_n))](
@@ -70,7 +78,8 @@ def _bgmv(
         k,
         x.stride(0),
         w.stride(0),
-        w.stride(1),
+        stride_wn,
+        stride_wk,
         out.stride(0),
         ACCUMULATE=accumulate,
         BLOCK_N=block_n,
@@ -81,22 +90,22 @@ def _bgmv(
 def lora_bgmv(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
-    """y [rows, N] += b[s] @ (a[s] @ x[i]) for each row i of slot s = slots[i] >= 0, in place;
-    x [rows, K], a [slots, W, K], b [slots, N, W] (contiguous), slots [rows] int32/int64."""
+    """y [rows, N] += (a[s] @ x[i]) @ b[s] for each row i of slot s = slots[i] >= 0, in place;
+    x [rows, K], a [slots, W, K], b [slots, W, N] (contiguous), slots [rows] int32/int64."""
     assert_rows("x", x, 2)
     assert_rows("y", y, 2, like=x)
     assert_rows("a", a, 3, like=x)
     assert_rows("b", b, 3, like=x)
     rows, k = x.shape
     assert a.is_contiguous() and b.is_contiguous(), "a and b must be contiguous"
-    assert a.shape[2] == k and b.shape[2] == a.shape[1] and b.shape[0] == a.shape[0], (
+    assert a.shape[2] == k and b.shape[1] == a.shape[1] and b.shape[0] == a.shape[0], (
         f"a {tuple(a.shape)} and b {tuple(b.shape)} do not chain x [rows, {k}]"
     )
-    assert y.shape == (rows, b.shape[1]), f"y must be [{rows}, {b.shape[1]}], got {tuple(y.shape)}"
+    assert y.shape == (rows, b.shape[2]), f"y must be [{rows}, {b.shape[2]}], got {tuple(y.shape)}"
     assert_index("slots", slots, 1, rows, x.device)
     if rows == 0:
         return y
     t = torch.zeros(rows, a.shape[1], dtype=torch.float32, device=x.device)
-    _bgmv(x, a, slots, t, accumulate=False)
-    _bgmv(t, b, slots, y, accumulate=True)
+    _bgmv(x, a, slots, t, accumulate=False, transposed=False)
+    _bgmv(t, b, slots, y, accumulate=True, transposed=True)
     return y

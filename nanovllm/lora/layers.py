@@ -3,7 +3,7 @@ own GEMM (through the format it had: a CPU's packed copy, int8, or F.linear) and
 adapter (ops.py), reading the step's rows from the ForwardContext. It holds every slot's A and B
 stacked, each slice of a merged projection (q | k | v, gate | up) in its own R columns:
 
-    a [slots, S * R, in]    b [slots, out, S * R]
+    a [slots, S * R, in]    b [slots, S * R, out]   (B transposed: a row's update streams along out)
 
 Tensor parallelism splits them as the layer's weight: a column-parallel layer's B by its output
 rows (each slice's rows of this rank), a row-parallel layer's A by its input columns, whose
@@ -32,10 +32,11 @@ class LoRALayer:
         self.in_features = layer.input_size * (tp if self.row_parallel else 1)
         self.slice_out = [size * (1 if self.row_parallel else tp) for size in self.slice_sizes]
         self.rank = max_rank
+        self.slice_ends = torch.tensor(self.slice_sizes).cumsum(0)  # on the host, for the C++
         width = len(self.slice_sizes) * max_rank
         options = dict(dtype=layer.weight.dtype, device=layer.weight.device)
         self.a = torch.zeros(num_slots, width, layer.input_size, **options)
-        self.b = torch.zeros(num_slots, layer.output_size, width, **options)
+        self.b = torch.zeros(num_slots, width, layer.output_size, **options)
         self._delta = lora_delta.select()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -43,7 +44,8 @@ class LoRALayer:
         mapping = get_context().lora
         if mapping is None:
             return y
-        return self._delta(y, x, self.a, self.b, mapping)  # x, y: [rows, in], [rows, out]
+        # x, y: [rows, in], [rows, out]
+        return self._delta(y, x, self.a, self.b, mapping, self.slice_ends)
 
     def check(self, j: int, weights: LoRAWeights, where: str) -> None:
         """A ValueError unless slice j's A and B fit this layer's shape."""
@@ -65,7 +67,7 @@ class LoRALayer:
                 a, b = self._shard(weights, size)
                 columns = slice(j * self.rank, j * self.rank + a.shape[0])
                 self.a[slot, columns] = a
-                self.b[slot, offset : offset + size, columns] = b
+                self.b[slot, columns, offset : offset + size] = b.T
             offset += size
 
     def _shard(self, weights: LoRAWeights, size: int) -> tuple[torch.Tensor, torch.Tensor]:

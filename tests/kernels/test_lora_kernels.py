@@ -18,7 +18,7 @@ def case(dtype: torch.dtype, k: int, n: int, width: int, device: str):
     x = randn(len(SLOTS), k, dtype=dtype, gen=gen).to(device)
     y = randn(len(SLOTS), n, dtype=dtype, gen=gen).to(device)
     a = randn(3, width, k, dtype=dtype, gen=gen, scale=k**-0.5).to(device)
-    b = randn(3, n, width, dtype=dtype, gen=gen, scale=width**-0.5).to(device)
+    b = randn(3, width, n, dtype=dtype, gen=gen, scale=width**-0.5).to(device)
     a[2], b[2] = NAN, NAN  # a slot no row is under: never read
     return y, x, a, b
 
@@ -27,26 +27,41 @@ def case(dtype: torch.dtype, k: int, n: int, width: int, device: str):
 def test_the_grouped_gemms_add_each_rows_adapter(dtype, k, n, width):
     y, x, a, b = case(dtype, k, n, width, "cpu")
     expected = lora_delta_reference(y, x, a, b, torch.tensor(SLOTS))
-    got = lora_delta(y.clone(), x, a, b, map_rows(SLOTS))
+    got = lora_delta(y.clone(), x, a, b, map_rows(SLOTS), torch.tensor([n]))
     assert rel_error(got, expected) < TOLERANCE[dtype]
     base = [i for i, s in enumerate(SLOTS) if s < 0]
     assert torch.equal(got[base], y[base])
 
 
-def test_the_cpus_native_call_adds_each_rows_adapter():
+def sliced(b: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """b as a fused projection's: slice j's outputs only in its own rows (zeros elsewhere), and
+    the slices' ends."""
+    rank = b.shape[1] // len(sizes)
+    b = b.clone()
+    ends = torch.tensor(sizes).cumsum(0)
+    for j, (start, end) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist())):
+        b[:, : j * rank, start:end] = 0
+        b[:, (j + 1) * rank :, start:end] = 0
+    return b, ends
+
+
+@pytest.mark.parametrize("sizes", [[96], [32, 48, 16]])
+def test_the_cpus_native_call_adds_each_rows_adapter(sizes):
+    """One slice, and three (q | k | v): each output reads only its slice's columns."""
     from conftest import native_library
 
     from nanovllm.kernels import cpu_lora
 
     library = native_library(cpu_lora.load)
-    for k, n, width in [(64, 96, 16), (40, 130, 24), (256, 768, 48)]:
-        y, x, a, b = case(torch.float32, k, n, width, "cpu")
+    for k, width in [(64, 48), (40, 24), (256, 96)]:
+        y, x, a, b = case(torch.float32, k, sum(sizes), width, "cpu")
+        b, ends = sliced(b, sizes)
         x = torch.cat([x, x], dim=1)[:, :k]  # rows a stride apart, as a view's
         slots = torch.tensor(SLOTS)
         expected = lora_delta_reference(y, x, a, b, slots)
         assert cpu_lora.fits(x, a, b, y)
-        got = cpu_lora.lora_bgmv(library, y.clone(), x, a, b, slots)
-        assert rel_error(got, expected) < TOLERANCE[torch.float32], (k, n, width)
+        got = cpu_lora.lora_bgmv(library, y.clone(), x, a, b, slots, ends)
+        assert rel_error(got, expected) < TOLERANCE[torch.float32], (k, width)
         base = [i for i, s in enumerate(SLOTS) if s < 0]
         assert torch.equal(got[base], y[base])
 

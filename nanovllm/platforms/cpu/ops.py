@@ -35,13 +35,13 @@ def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
 LORA_NATIVE_MAX_ROWS = 256
 
 
-def native_lora_delta(eager: Callable, y, x, a, b, mapping) -> torch.Tensor:
+def native_lora_delta(eager: Callable, y, x, a, b, mapping, slice_ends) -> torch.Tensor:
     """A LoRA layer's adapters (lora/ops.py): a decode step's rows in one C++ call
     (kernels/cpu_lora.py), or the eager op."""
     if len(x) <= LORA_NATIVE_MAX_ROWS and cpu_lora.fits(x, a, b, y):
         if (library := cpu_lora.load()) is not None:
-            return cpu_lora.lora_bgmv(library, y, x, a, b, mapping.slots)
-    return eager(y, x, a, b, mapping)
+            return cpu_lora.lora_bgmv(library, y, x, a, b, mapping.slots, slice_ends)
+    return eager(y, x, a, b, mapping, slice_ends)
 
 
 # The twins of seams' hot ops, by the op's name: their modules are imported only when on.

@@ -78,7 +78,9 @@ def triton_fused_moe(*args: torch.Tensor) -> torch.Tensor:
     return fused_moe(*args)
 
 
-def triton_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping):
+def triton_lora(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping, slice_ends
+) -> torch.Tensor:
     """LoRA layers' adapters (lora/ops.py) as Triton kernels reading each row's slot on the
     device (imports Triton on first call)."""
     from nanovllm.kernels.lora import lora_bgmv
