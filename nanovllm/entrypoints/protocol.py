@@ -197,6 +197,25 @@ def chat_messages(messages: object) -> list[dict]:
     ]
 
 
+def chat_template_kwargs(value: object, reserved: frozenset[str]) -> dict:
+    """The request's chat_template_kwargs: more variables for the chat template (Qwen3's
+    `enable_thinking`), as vLLM takes them. Those the server sets itself (the messages, the
+    tools, the generation prompt, the template, tokenizing) are refused, not overridden."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"chat_template_kwargs must be an object of template variables, e.g. "
+            f'{{"enable_thinking": false}}; got {type(value).__name__}'
+        )
+    if taken := sorted(set(value) & reserved):
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it from the "
+            f"request's own fields"
+        )
+    return value
+
+
 def _role(message: object) -> str:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise TypeError(
