@@ -1,9 +1,15 @@
 """Thinking mode offline: LLM.chat passes chat_template_kwargs to a template with Qwen3's
-enable_thinking switch (tests/thinking.py), as vLLM does."""
+enable_thinking switch (tests/thinking.py), as vLLM does, and a structured output with
+reasoning_end_token_id leaves the thinking free and holds the answer after `</think>`."""
 
+import json
+
+import jsonschema
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.structured import from_extra_field
+from nanovllm.structured import StructuredOutputsParams
 
 ENGINE = dict(device="cpu", max_model_len=512, num_kvcache_blocks=64, kvcache_block_size=16)
 USER = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -33,3 +39,56 @@ def test_chat_passes_enable_thinking_to_the_template(llm):
 def test_chat_template_kwargs_must_be_a_dict(llm):
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         llm.chat(USER, GREEDY, use_tqdm=False, chat_template_kwargs=[("enable_thinking", False)])
+
+
+# -- structured outputs after the thinking ---------------------------------------------------
+
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "level"],
+}
+# Random weights never close their thinking by themselves: a bias on </think> makes the seeded
+# sample do so after a few tokens (5 with this seed).
+THINK_BIAS, SEED = 3.5, 5
+
+
+def thinking_params(llm, **kwargs) -> SamplingParams:
+    end = llm.tokenizer.convert_tokens_to_ids("</think>")
+    return SamplingParams(
+        temperature=1, seed=SEED, max_tokens=100, logit_bias={end: THINK_BIAS}, **kwargs
+    )
+
+
+def test_a_grammar_after_the_thinking_holds_the_answer_and_leaves_the_thinking_free(llm):
+    end = llm.tokenizer.convert_tokens_to_ids("</think>")
+    free = llm.chat(USER, thinking_params(llm), use_tqdm=False)[0].outputs[0]
+    constraint = StructuredOutputsParams(json=ANSWER, reasoning_end_token_id=end)
+    held = llm.chat(USER, thinking_params(llm, structured_outputs=constraint), use_tqdm=False)
+    held = held[0].outputs[0]
+    thought = free.token_ids.index(end)
+    assert thought >= 3  # it thought a while, freely: the same tokens as without a grammar
+    assert held.token_ids[: thought + 1] == free.token_ids[: thought + 1]
+    answer = held.text.split("</think>", 1)[1]
+    jsonschema.validate(json.loads(answer), ANSWER)
+    assert held.finish_reason == "stop"
+    with pytest.raises(ValueError):  # without the grammar the answer is noise
+        json.loads(free.text.split("</think>", 1)[1])
+
+
+def test_reasoning_end_token_id_is_checked(llm):
+    def params(end: object) -> SamplingParams:
+        return SamplingParams(
+            structured_outputs=StructuredOutputsParams(json=ANSWER, reasoning_end_token_id=end)
+        )
+
+    with pytest.raises(TypeError, match="reasoning_end_token_id must be an int"):
+        params("</think>")
+    for bad in (10**6, llm.tokenizer.eos_token_id):
+        with pytest.raises(ValueError, match="reasoning_end_token_id=.* must be a token"):
+            llm.chat(USER, params(bad), use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown field"):  # the server's to set, not a body's
+        from_extra_field({"json": ANSWER, "reasoning_end_token_id": 5})
