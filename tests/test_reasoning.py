@@ -6,8 +6,11 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.reasoning import ReasoningParser, ThinkingSplitter
 from nanovllm.entrypoints.structured import from_extra_field
 from nanovllm.structured import StructuredOutputsParams
 
@@ -92,3 +95,49 @@ def test_reasoning_end_token_id_is_checked(llm):
             llm.chat(USER, params(bad), use_tqdm=False)
     with pytest.raises(ValueError, match="unknown field"):  # the server's to set, not a body's
         from_extra_field({"json": ANSWER, "reasoning_end_token_id": 5})
+
+
+# -- the thinking told from the answer ------------------------------------------------------
+
+TEXTS = st.lists(
+    st.sampled_from(["<think>", "</think>", "<", "/", "think", ">", "a b", "\n", "<th", "</"]),
+    max_size=12,
+).map("".join)
+
+
+def cut(text: str) -> tuple[str, str]:
+    """The oracle: before the first </think>, without the first <think>; and after it."""
+    thought, _, answer = text.partition("</think>")
+    return thought.replace("<think>", "", 1), answer
+
+
+@given(TEXTS, st.lists(st.integers(0, 40), max_size=6))
+def test_the_thinking_splits_as_the_whole_text_however_it_is_cut(text, cuts):
+    bounds = [0, *sorted(c for c in cuts if c < len(text)), len(text)]
+    splitter = ThinkingSplitter(thinking=True)
+    pieces = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [splitter.finish()]
+    assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == cut(text)
+    closed = ThinkingSplitter(thinking=False)  # the prompt closed the thinking: all is answer
+    assert closed.feed(text) == ("", text) and closed.finish() == ("", "")
+
+
+def test_a_reply_starts_inside_the_thinking_unless_its_prompt_closed_it(thinking_checkpoint):
+    from transformers import AutoTokenizer
+
+    parser = ReasoningParser.load("qwen3", AutoTokenizer.from_pretrained(thinking_checkpoint))
+    assert parser.for_prompt("<|im_start|>assistant\n").thinking
+    assert parser.for_prompt("<|im_start|>assistant\n<think>\n").thinking  # DeepSeek-R1's
+    assert not parser.for_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n").thinking
+
+
+def test_a_parser_needs_the_tags_as_tokens_of_their_own(checkpoints, thinking_checkpoint):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match="needs <think> as a token of the tokenizer"):
+        ReasoningParser.load("qwen3", AutoTokenizer.from_pretrained(checkpoints["gqa"]))
+    special = AutoTokenizer.from_pretrained(thinking_checkpoint)
+    special.add_special_tokens({"additional_special_tokens": ["</think>"]})
+    with pytest.raises(ValueError, match="needs </think> as a token of the tokenizer, not a spe"):
+        ReasoningParser.load("deepseek_r1", special)
+    with pytest.raises(ValueError, match="is not one of deepseek_r1, qwen3"):
+        ReasoningParser.load("granite", special)

@@ -35,6 +35,7 @@ SERVER_OPTIONS = (
     "allowed_methods",
     "allowed_headers",
     "allow_credentials",
+    "reasoning_parser",
 )
 
 
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--served-model-name", help="the name requests give as `model` (default: MODEL as given)"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        help="tell a reasoning model's thinking from its answer: reasoning_content and content "
+        "(structured outputs and tool calls then hold the answer alone)",
     )
     add_http_options(serve)
     add_config_options(serve)
@@ -206,9 +213,19 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socke
     except (TypeError, ValueError) as e:
         sock.close()
         parser.error(str(e))
+    reasoning = None
+    if args.reasoning_parser:
+        from nanovllm.entrypoints.reasoning import ReasoningParser
+
+        try:
+            reasoning = ReasoningParser.load(args.reasoning_parser, engine.tokenizer)
+        except ValueError as e:
+            engine.close()
+            sock.close()
+            parser.error(str(e))
     front = AsyncEngine(engine)
     name = args.served_model_name or args.model
-    app = build_app(front, name, http)
+    app = build_app(front, name, http, reasoning)
     server = Server(uvicorn.Config(app, timeout_graceful_shutdown=5), front)
     # uvicorn re-raises the signal that stopped it once its handlers are gone: these
     # catch it, so the process ends with status 0 after closing the engine.

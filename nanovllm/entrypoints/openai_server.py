@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -39,6 +39,9 @@ from nanovllm.entrypoints.tokenization import Tokenization, TokenizedPrompt
 from nanovllm.entrypoints.tools import ToolCalling
 from nanovllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from nanovllm.entrypoints.reasoning import Reasoning, ReasoningParser
+
 logger = logging.getLogger("nanovllm")
 
 
@@ -51,11 +54,18 @@ class Accepted(NamedTuple):
     params: SamplingParams
     body: dict
     prompts: list[TokenizedPrompt]
+    reasoning: "Reasoning | None"  # a chat request's, with a reasoning parser
 
 
-def build_app(front: AsyncEngine, model_name: str, options: HTTPOptions | None = None) -> FastAPI:
+def build_app(
+    front: AsyncEngine,
+    model_name: str,
+    options: HTTPOptions | None = None,
+    reasoning: "ReasoningParser | None" = None,
+) -> FastAPI:
     """The app; its lifespan starts the engine thread in uvicorn's event loop, and the task
-    that gives memory back when the server is idle."""
+    that gives memory back when the server is idle. With `reasoning` (--reasoning-parser),
+    chat replies' thinking is told apart from their answer (reasoning.py)."""
     options = options or HTTPOptions()
     idle = guards.IdleTrim()
 
@@ -67,7 +77,7 @@ def build_app(front: AsyncEngine, model_name: str, options: HTTPOptions | None =
         trimming.cancel()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
-    server = OpenAIServer(front, model_name, options.max_request_bytes)
+    server = OpenAIServer(front, model_name, options.max_request_bytes, reasoning)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
@@ -107,9 +117,16 @@ def error_response(status: int, message: str, **fields: str | None) -> JSONRespo
 
 
 class OpenAIServer:
-    def __init__(self, front: AsyncEngine, model_name: str, max_request_bytes: int):
+    def __init__(
+        self,
+        front: AsyncEngine,
+        model_name: str,
+        max_request_bytes: int,
+        reasoning: "ReasoningParser | None" = None,
+    ):
         self.front, self.model_name = front, model_name
         self.max_request_bytes = max_request_bytes
+        self.reasoning = reasoning
         self.tokenization = Tokenization(front)
         config = front.engine.config
         self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
@@ -170,7 +187,7 @@ class OpenAIServer:
         accepted = await self._accept(request, chat)
         if isinstance(accepted, Response):
             return accepted
-        stream, params, body, prompts = accepted
+        stream, params, body, prompts, reasoning = accepted
         streamed, top_k = bool(body.get("stream")), params.logprobs
         if chat:
             head = ResponseHead(
@@ -187,6 +204,8 @@ class OpenAIServer:
             chunks = self._chunks(
                 stream, head, choice, protocol.include_usage(body), top_k is not None, chat
             )
+            if reasoning is not None:  # the thinking first: tool calls are read in the answer
+                chunks = reasoning.stream(chunks)
             if calling is not None:
                 chunks = calling.stream(chunks)
             return EventStream(chunks, on_close=lambda: self.front.abort(stream))
@@ -203,6 +222,8 @@ class OpenAIServer:
                 keep_completion=not protocol.echo_only(body),
                 decode=self.front.tokenizer.decode,
             )
+        if reasoning is not None:
+            choice = reasoning.read(choice)
         if calling is not None:
             choice = calling.read_calls(choice)
         whole = functools.partial(
@@ -220,14 +241,18 @@ class OpenAIServer:
             protocol.check_fields(body, chat)
             params = protocol.sampling_params(body, chat, self.max_model_len, self.max_logprobs)
             protocol.include_usage(body)
+            reasoning = None
             if chat:
                 prompts = [await self.tokenization.chat_prompt(body, params.n)]
+                if self.reasoning is not None:  # a structured output starts after the thinking
+                    reasoning = self.reasoning.for_prompt(prompts[0].text)
+                    params = reasoning.constrain(params)
             else:
                 prompts = await self.tokenization.completion_prompts(body, params.n)
             stream = await self.front.add_request([p.token_ids for p in prompts], params)
         except Exception as e:
             return _refusal(e, request, body)
-        return Accepted(stream, params, body, prompts)
+        return Accepted(stream, params, body, prompts, reasoning)
 
     async def _chunks(
         self,
