@@ -10,7 +10,7 @@ model directory without config.json, when it follows `serve`, before torch is im
 model is loaded the server prints `nanovllm: serving MODEL on http://HOST:PORT` (the port
 the OS chose for `--port 0`). SIGINT / SIGTERM stop it: no new connections, every request
 in flight aborted (streams end with finish_reason "abort"), the engine and its TP workers
-closed, exit status 0.
+closed, exit status 0; with `--shutdown-timeout SECONDS` SIGTERM drains it first (drain.py).
 """
 
 import argparse
@@ -36,6 +36,7 @@ SERVER_OPTIONS = (
     "allowed_headers",
     "allow_credentials",
     "reasoning_parser",
+    "shutdown_timeout",
 )
 
 
@@ -60,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("deepseek_r1", "qwen3"),
         help="tell a reasoning model's thinking from its answer: reasoning_content and content "
         "(structured outputs and tool calls then hold the answer alone)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="on SIGTERM, refuse new requests (503) and give those in flight this long to "
+        "finish before aborting them; 0: abort at once (default: %(default)s)",
     )
     add_http_options(serve)
     add_config_options(serve)
@@ -147,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     sock = listen(parser, args.host, args.port)  # before anything slow: a port in use is told now
     try:
         import nanovllm.entrypoints.openai_server  # noqa: F401  (needs the `serve` extra)
@@ -223,10 +234,15 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socke
             engine.close()
             sock.close()
             parser.error(str(e))
+    drain = None
+    if args.shutdown_timeout:
+        from nanovllm.entrypoints.drain import Drain
+
+        drain = Drain(args.shutdown_timeout)
     front = AsyncEngine(engine)
     name = args.served_model_name or args.model
-    app = build_app(front, name, http, reasoning)
-    server = Server(uvicorn.Config(app, timeout_graceful_shutdown=5), front)
+    app = build_app(front, name, http, reasoning, drain)
+    server = Server(uvicorn.Config(app, timeout_graceful_shutdown=5), front, drain)
     # uvicorn re-raises the signal that stopped it once its handlers are gone: these
     # catch it, so the process ends with status 0 after closing the engine.
     for sig in (signal.SIGINT, signal.SIGTERM):

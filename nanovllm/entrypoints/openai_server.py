@@ -18,6 +18,7 @@ import asyncio
 import functools
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, NamedTuple
@@ -40,6 +41,7 @@ from nanovllm.entrypoints.tools import ToolCalling
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanovllm.entrypoints.drain import Drain
     from nanovllm.entrypoints.reasoning import Reasoning, ReasoningParser
 
 logger = logging.getLogger("nanovllm")
@@ -62,10 +64,12 @@ def build_app(
     model_name: str,
     options: HTTPOptions | None = None,
     reasoning: "ReasoningParser | None" = None,
+    drain: "Drain | None" = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread in uvicorn's event loop, and the task
     that gives memory back when the server is idle. With `reasoning` (--reasoning-parser),
-    chat replies' thinking is told apart from their answer (reasoning.py)."""
+    chat replies' thinking is told apart from their answer (reasoning.py); with `drain`
+    (--shutdown-timeout), SIGTERM drains the server (drain.py, with Server)."""
     options = options or HTTPOptions()
     idle = guards.IdleTrim()
 
@@ -77,7 +81,7 @@ def build_app(
         trimming.cancel()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
-    server = OpenAIServer(front, model_name, options.max_request_bytes, reasoning)
+    server = OpenAIServer(front, model_name, options.max_request_bytes, reasoning, drain)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
@@ -95,17 +99,45 @@ def build_app(
             e.status_code, f"{request.method} {request.url.path}: {e.detail}"
         ),
     )
+    if drain is not None:  # innermost: a request without its API key is told 401 first
+        from nanovllm.entrypoints.drain import DrainMiddleware
+
+        app.add_middleware(DrainMiddleware, drain=drain)
     guards.install(app, options, idle)
     return app
 
 
 class Server(uvicorn.Server):
     """uvicorn's server that, as it shuts down (once it stops accepting), aborts every
-    request in flight, so open streams end now instead of running to their max_tokens."""
+    request in flight, so open streams end now instead of running to their max_tokens. With a
+    `drain` (--shutdown-timeout) the first SIGTERM drains it first (drain.py): it goes on
+    serving what it has, refusing the rest, and shuts down once that is done or the time is up;
+    any signal after that, and SIGINT, shut it down at once."""
 
-    def __init__(self, config: uvicorn.Config, front: AsyncEngine):
+    def __init__(self, config: uvicorn.Config, front: AsyncEngine, drain: "Drain | None" = None):
         super().__init__(config)
-        self.front = front
+        self.front, self.drain = front, drain
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining: asyncio.Task | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        """uvicorn's signal handler (it runs between two of the event loop's bytecodes)."""
+        drain = self.drain
+        if sig == signal.SIGTERM and drain and not drain.draining and self.loop is not None:
+            drain.begin()  # refused from now on, before the loop runs again
+            self.loop.call_soon_threadsafe(self._start_draining)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_draining(self) -> None:
+        self.draining = self.loop.create_task(self.drain.run(self._stop))
+
+    def _stop(self) -> None:
+        self.should_exit = True  # uvicorn's main loop sees it within 0.1 s
 
     async def shutdown(self, sockets: list | None = None) -> None:
         self.front.abort_all()
@@ -123,10 +155,11 @@ class OpenAIServer:
         model_name: str,
         max_request_bytes: int,
         reasoning: "ReasoningParser | None" = None,
+        drain: "Drain | None" = None,
     ):
         self.front, self.model_name = front, model_name
         self.max_request_bytes = max_request_bytes
-        self.reasoning = reasoning
+        self.reasoning, self.drain = reasoning, drain
         self.tokenization = Tokenization(front)
         config = front.engine.config
         self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
@@ -134,6 +167,9 @@ class OpenAIServer:
         self.registry.register(EngineMetrics(front, model_name))
 
     async def health(self) -> Response:
+        """200 while the engine thread runs and the server is not draining."""
+        if self.drain is not None and self.drain.draining:
+            return Response(status_code=503)
         return Response(status_code=200 if self.front.is_alive() else 503)
 
     async def models(self) -> dict:
