@@ -103,6 +103,17 @@ def bos_checkpoint(checkpoints, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def thinking_checkpoint(checkpoints, tmp_path_factory) -> Path:
+    """The gqa checkpoint thinking as Qwen3 does: <think> and </think> tokens and a chat
+    template with Qwen3's enable_thinking switch (tests/thinking.py)."""
+    from thinking import build_thinking_checkpoint
+
+    return build_thinking_checkpoint(
+        checkpoints["gqa"], tmp_path_factory.mktemp("thinking") / "gqa_thinking"
+    )
+
+
 @cache
 def hf_model(path: str):
     import torch

@@ -456,6 +456,24 @@ def test_models_health_and_metrics(client, server):
     )
 
 
+def test_the_prefix_cache_counters_count_a_repeated_prompts_hits(client, server, offline):
+    ids = [7 + (i * 37) % 400 for i in range(50)]  # a prompt no other test sends
+    offline.generate([ids], greedy(1), use_tqdm=False)
+    cached = offline.generate([ids], greedy(1), use_tqdm=False)[0].num_cached_tokens
+    assert cached >= 32  # its full blocks, the last token's aside
+    before = wait_until_idle(server.port)
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=ids, max_tokens=1)
+    after = wait_until_idle(server.port)
+    assert after["nanovllm:prefix_cache_queries_total"] - before[
+        "nanovllm:prefix_cache_queries_total"
+    ] == 2 * len(ids)
+    assert (
+        after["nanovllm:prefix_cache_hits_total"] - before["nanovllm:prefix_cache_hits_total"]
+        == cached  # the first request found nothing, the second what the offline engine did
+    )
+
+
 def test_a_client_that_drops_its_stream_has_its_request_aborted(client, server):
     before = wait_until_idle(server.port)
     stream = client.completions.create(

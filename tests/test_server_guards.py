@@ -3,6 +3,8 @@ size limit, a huge prompt that must not stall the others, memory that must come 
 port already taken. Real server processes (tests/serving.py), checked with the `openai`
 client and raw HTTP."""
 
+import argparse
+import asyncio
 import http.client
 import json
 import socket
@@ -18,6 +20,7 @@ from conftest import imported_modules
 from serving import ENGINE, NAME, engine_flags, metrics, running_server, wait_until_idle
 
 from nanovllm.demo import DOWNLOAD_COMMAND
+from nanovllm.entrypoints import cli
 
 KEY = "s3cret-key"
 ORIGIN = "http://allowed.example"
@@ -270,3 +273,37 @@ def test_a_missing_model_is_one_line_and_status_2_before_torch_is_imported(tmp_p
     assert len(told) == 1 and f"no model at {str(missing)!r}" in told[0], told
     assert DOWNLOAD_COMMAND in told[0]
     assert "torch" not in imported_modules(result.stderr)
+
+
+# -- the socket --------------------------------------------------------------------------------
+
+
+def nodelay_of_a_connection(listening: socket.socket) -> int:
+    """TCP_NODELAY of a connection accepted through `listening` as uvicorn accepts one (asyncio's
+    create_server(sock=...))."""
+
+    async def accept() -> int:
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+
+        class Protocol(asyncio.Protocol):
+            def connection_made(self, transport):
+                accepted.set_result(transport.get_extra_info("socket"))
+
+        server = await loop.create_server(Protocol, sock=listening)
+        _, writer = await asyncio.open_connection(*listening.getsockname())
+        conn = await accepted
+        nodelay = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        writer.close()
+        server.close()
+        return nodelay
+
+    return asyncio.run(accept())
+
+
+def test_the_servers_connections_send_without_waiting_for_acks():
+    """Nagle's algorithm held a response's body until a keep-alive client acknowledged its
+    head, 40 ms later (cli.listen's docstring)."""
+    assert nodelay_of_a_connection(cli.listen(argparse.ArgumentParser(), "127.0.0.1", 0)) == 1
+    # socket.create_server's socket (proto 0) gets none: what the test would catch
+    assert nodelay_of_a_connection(socket.create_server(("127.0.0.1", 0))) == 0

@@ -113,6 +113,9 @@ class AsyncEngine:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
         self.stats: EngineStats = engine.stats()  # as of the last step, for /metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for /metrics
+        # The prefix cache, as requests finish (vLLM's prefix_cache_queries and _hits): their
+        # prompt tokens, and those of them found in the cache when they were first scheduled.
+        self.num_prefix_cache_queries = self.num_prefix_cache_hits = 0
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[
             int, tuple[RequestStream, int]
@@ -264,6 +267,9 @@ class AsyncEngine:
             self._streams.clear()
             return
         self.num_generation_tokens += len(out.new_tokens)
+        for output in out.finished_requests:
+            self.num_prefix_cache_queries += len(output.prompt_token_ids)
+            self.num_prefix_cache_hits += output.num_cached_tokens or 0
         self._keep_prompt_logprobs(out.finished_requests)
         self._post(self._batches(out.new_tokens, out.finished))
 

@@ -17,6 +17,11 @@ def render_conversations(
             "messages must be a conversation (a list of {'role', 'content'} "
             "dicts) or a list of conversations"
         )
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError(
+            f"chat_template_kwargs must be a dict of template variables (e.g. "
+            f"{{'enable_thinking': False}}), got {type(chat_template_kwargs).__name__}"
+        )
     conversations = [messages] if isinstance(messages[0], dict) else messages
     prompts = []
     for conversation in conversations:

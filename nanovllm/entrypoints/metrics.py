@@ -46,6 +46,18 @@ class EngineMetrics:
                 "Tokens generated.",
                 front.num_generation_tokens,
             ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache, counted as requests finish.",
+                front.num_prefix_cache_queries,
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_hits",
+                "Prompt tokens found in the prefix cache, counted as requests finish.",
+                front.num_prefix_cache_hits,
+            ),
         ):
             metric = family(f"nanovllm:{name}", doc, labels=["model_name"])
             metric.add_metric(self.labels, value)

@@ -18,9 +18,10 @@ import asyncio
 import functools
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -39,6 +40,10 @@ from nanovllm.entrypoints.tokenization import Tokenization, TokenizedPrompt
 from nanovllm.entrypoints.tools import ToolCalling
 from nanovllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from nanovllm.entrypoints.drain import Drain
+    from nanovllm.entrypoints.reasoning import Reasoning, ReasoningParser
+
 logger = logging.getLogger("nanovllm")
 
 
@@ -51,11 +56,20 @@ class Accepted(NamedTuple):
     params: SamplingParams
     body: dict
     prompts: list[TokenizedPrompt]
+    reasoning: "Reasoning | None"  # a chat request's, with a reasoning parser
 
 
-def build_app(front: AsyncEngine, model_name: str, options: HTTPOptions | None = None) -> FastAPI:
+def build_app(
+    front: AsyncEngine,
+    model_name: str,
+    options: HTTPOptions | None = None,
+    reasoning: "ReasoningParser | None" = None,
+    drain: "Drain | None" = None,
+) -> FastAPI:
     """The app; its lifespan starts the engine thread in uvicorn's event loop, and the task
-    that gives memory back when the server is idle."""
+    that gives memory back when the server is idle. With `reasoning` (--reasoning-parser),
+    chat replies' thinking is told apart from their answer (reasoning.py); with `drain`
+    (--shutdown-timeout), SIGTERM drains the server (drain.py, with Server)."""
     options = options or HTTPOptions()
     idle = guards.IdleTrim()
 
@@ -67,7 +81,7 @@ def build_app(front: AsyncEngine, model_name: str, options: HTTPOptions | None =
         trimming.cancel()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
-    server = OpenAIServer(front, model_name, options.max_request_bytes)
+    server = OpenAIServer(front, model_name, options.max_request_bytes, reasoning, drain)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
@@ -85,17 +99,45 @@ def build_app(front: AsyncEngine, model_name: str, options: HTTPOptions | None =
             e.status_code, f"{request.method} {request.url.path}: {e.detail}"
         ),
     )
+    if drain is not None:  # innermost: a request without its API key is told 401 first
+        from nanovllm.entrypoints.drain import DrainMiddleware
+
+        app.add_middleware(DrainMiddleware, drain=drain)
     guards.install(app, options, idle)
     return app
 
 
 class Server(uvicorn.Server):
     """uvicorn's server that, as it shuts down (once it stops accepting), aborts every
-    request in flight, so open streams end now instead of running to their max_tokens."""
+    request in flight, so open streams end now instead of running to their max_tokens. With a
+    `drain` (--shutdown-timeout) the first SIGTERM drains it first (drain.py): it goes on
+    serving what it has, refusing the rest, and shuts down once that is done or the time is up;
+    any signal after that, and SIGINT, shut it down at once."""
 
-    def __init__(self, config: uvicorn.Config, front: AsyncEngine):
+    def __init__(self, config: uvicorn.Config, front: AsyncEngine, drain: "Drain | None" = None):
         super().__init__(config)
-        self.front = front
+        self.front, self.drain = front, drain
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining: asyncio.Task | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        """uvicorn's signal handler (it runs between two of the event loop's bytecodes)."""
+        drain = self.drain
+        if sig == signal.SIGTERM and drain and not drain.draining and self.loop is not None:
+            drain.begin()  # refused from now on, before the loop runs again
+            self.loop.call_soon_threadsafe(self._start_draining)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_draining(self) -> None:
+        self.draining = self.loop.create_task(self.drain.run(self._stop))
+
+    def _stop(self) -> None:
+        self.should_exit = True  # uvicorn's main loop sees it within 0.1 s
 
     async def shutdown(self, sockets: list | None = None) -> None:
         self.front.abort_all()
@@ -107,9 +149,17 @@ def error_response(status: int, message: str, **fields: str | None) -> JSONRespo
 
 
 class OpenAIServer:
-    def __init__(self, front: AsyncEngine, model_name: str, max_request_bytes: int):
+    def __init__(
+        self,
+        front: AsyncEngine,
+        model_name: str,
+        max_request_bytes: int,
+        reasoning: "ReasoningParser | None" = None,
+        drain: "Drain | None" = None,
+    ):
         self.front, self.model_name = front, model_name
         self.max_request_bytes = max_request_bytes
+        self.reasoning, self.drain = reasoning, drain
         self.tokenization = Tokenization(front)
         config = front.engine.config
         self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
@@ -117,6 +167,9 @@ class OpenAIServer:
         self.registry.register(EngineMetrics(front, model_name))
 
     async def health(self) -> Response:
+        """200 while the engine thread runs and the server is not draining."""
+        if self.drain is not None and self.drain.draining:
+            return Response(status_code=503)
         return Response(status_code=200 if self.front.is_alive() else 503)
 
     async def models(self) -> dict:
@@ -170,7 +223,7 @@ class OpenAIServer:
         accepted = await self._accept(request, chat)
         if isinstance(accepted, Response):
             return accepted
-        stream, params, body, prompts = accepted
+        stream, params, body, prompts, reasoning = accepted
         streamed, top_k = bool(body.get("stream")), params.logprobs
         if chat:
             head = ResponseHead(
@@ -187,6 +240,8 @@ class OpenAIServer:
             chunks = self._chunks(
                 stream, head, choice, protocol.include_usage(body), top_k is not None, chat
             )
+            if reasoning is not None:  # the thinking first: tool calls are read in the answer
+                chunks = reasoning.stream(chunks)
             if calling is not None:
                 chunks = calling.stream(chunks)
             return EventStream(chunks, on_close=lambda: self.front.abort(stream))
@@ -203,6 +258,8 @@ class OpenAIServer:
                 keep_completion=not protocol.echo_only(body),
                 decode=self.front.tokenizer.decode,
             )
+        if reasoning is not None:
+            choice = reasoning.read(choice)
         if calling is not None:
             choice = calling.read_calls(choice)
         whole = functools.partial(
@@ -220,14 +277,18 @@ class OpenAIServer:
             protocol.check_fields(body, chat)
             params = protocol.sampling_params(body, chat, self.max_model_len, self.max_logprobs)
             protocol.include_usage(body)
+            reasoning = None
             if chat:
                 prompts = [await self.tokenization.chat_prompt(body, params.n)]
+                if self.reasoning is not None:  # a structured output starts after the thinking
+                    reasoning = self.reasoning.for_prompt(prompts[0].text)
+                    params = reasoning.constrain(params)
             else:
                 prompts = await self.tokenization.completion_prompts(body, params.n)
             stream = await self.front.add_request([p.token_ids for p in prompts], params)
         except Exception as e:
             return _refusal(e, request, body)
-        return Accepted(stream, params, body, prompts)
+        return Accepted(stream, params, body, prompts, reasoning)
 
     async def _chunks(
         self,

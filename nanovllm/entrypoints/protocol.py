@@ -192,9 +192,33 @@ def chat_messages(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise TypeError("messages must be a non-empty list of {'role', 'content'} objects")
     return [
-        {"role": _role(m), "content": _text_content(m.get("content")), **template_messages(m)}
+        {
+            "role": _role(m),
+            "content": _text_content(m.get("content")),
+            **template_messages(m),
+            **_reasoning(m),
+        }
         for m in messages
     ]
+
+
+def chat_template_kwargs(value: object, reserved: frozenset[str]) -> dict:
+    """The request's chat_template_kwargs: more variables for the chat template (Qwen3's
+    `enable_thinking`), as vLLM takes them. Those the server sets itself (the messages, the
+    tools, the generation prompt, the template, tokenizing) are refused, not overridden."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"chat_template_kwargs must be an object of template variables, e.g. "
+            f'{{"enable_thinking": false}}; got {type(value).__name__}'
+        )
+    if taken := sorted(set(value) & reserved):
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it from the "
+            f"request's own fields"
+        )
+    return value
 
 
 def _role(message: object) -> str:
@@ -203,6 +227,18 @@ def _role(message: object) -> str:
             f"messages must hold {{'role': str, 'content': ...}} objects, got {message!r:.80}"
         )
     return message["role"]
+
+
+def _reasoning(message: dict) -> dict:
+    """An earlier reply's thinking, given back (`reasoning_content`, or vLLM's `reasoning`):
+    for the chat template, which renders it where the model needs it (Qwen3's keeps the
+    thinking of the replies after the last user turn, in a chain of tool calls)."""
+    text = message.get("reasoning_content", message.get("reasoning"))
+    if text is None:
+        return {}
+    if not isinstance(text, str):
+        raise TypeError(f"messages: reasoning_content must be a string, got {type(text).__name__}")
+    return {"reasoning_content": text}
 
 
 def _text_content(content: object) -> str:

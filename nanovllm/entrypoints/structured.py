@@ -71,7 +71,8 @@ def from_extra_field(value: object) -> StructuredOutputsParams | None:
         return None
     if not isinstance(value, dict):
         raise TypeError(f"structured_outputs must be an object, got {type(value).__name__}")
-    known = {f.name for f in fields(StructuredOutputsParams)}
+    # vLLM's fields; where the grammar starts is the server's to say (its reasoning parser)
+    known = {f.name for f in fields(StructuredOutputsParams)} - {"reasoning_end_token_id"}
     if unknown := sorted(set(value) - known):
         raise ValueError(
             f"structured_outputs has unknown field(s) {', '.join(unknown)}; "

@@ -12,6 +12,7 @@ before the tokenizer sees it (vLLM's bound, its tokenizer's max_chars_per_token)
 NFC does, could in principle fit more characters into a token; vLLM takes the same bound.)
 """
 
+import inspect
 from typing import NamedTuple
 
 from jinja2 import TemplateError
@@ -36,6 +37,11 @@ class Tokenization:
         self.vocab_size = front.engine.config.hf_config.vocab_size
         longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.max_chars = self.max_model_len * longest_token
+        # What chat_template_kwargs may not set: apply_chat_template's own parameters, and the
+        # template's `messages`.
+        signature = inspect.signature(self.tokenizer.apply_chat_template)
+        named = (p.name for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD)
+        self.reserved_template_kwargs = frozenset((*named, "messages"))
 
     # -- prompts of /v1/completions and /v1/chat/completions --------------------------------
 
@@ -52,17 +58,21 @@ class Tokenization:
     async def chat_prompt(
         self, body: dict, n: int = 1, add_special_tokens: bool = False
     ) -> TokenizedPrompt:
-        """The conversation as the chat template renders it, and its token ids (the template
-        holds the special tokens; add_special_tokens adds the tokenizer's as well)."""
+        """The conversation as the chat template renders it (with the request's
+        chat_template_kwargs), and its token ids (the template holds the special tokens;
+        add_special_tokens adds the tokenizer's as well)."""
         messages = protocol.chat_messages(body.get("messages"))
         self.check_choices(1, n)
         add_generation_prompt = body.get("add_generation_prompt", True)
         check_bool("add_generation_prompt", add_generation_prompt)
+        variables = protocol.chat_template_kwargs(
+            body.get("chat_template_kwargs"), self.reserved_template_kwargs
+        )
         self.check_length("messages", "".join(m["content"] for m in messages))
         calling = ToolCalling.from_body(body)  # its tools rendered, unless tool_choice is "none"
         tools = None if calling is None else calling.tools
         return await self.front.offload(
-            self._render, messages, add_generation_prompt, add_special_tokens, tools
+            self._render, messages, add_generation_prompt, add_special_tokens, tools, variables
         )
 
     def check_choices(self, num_prompts: int, n: int) -> None:
@@ -114,10 +124,15 @@ class Tokenization:
         add_generation_prompt: bool,
         add_special_tokens: bool,
         tools: list[dict] | None = None,
+        variables: dict | None = None,
     ) -> TokenizedPrompt:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(variables or {}),
             )
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed: {e}") from None

@@ -81,12 +81,13 @@ class ToolCalling:
         return lambda delta: self.message(choice(delta))
 
     def message(self, choice: dict) -> dict:
-        """A non-streamed chat choice with its text read as tool calls, where it holds some."""
+        """A non-streamed chat choice with its text read as tool calls, where it holds some (its
+        other fields, a reasoning model's thinking, kept)."""
         parser = self.parser()
-        deltas = parser.feed(choice["message"]["content"]) + parser.finish()
+        deltas = parser.feed(choice["message"]["content"] or "") + parser.finish()
         text = "".join(d.get("content", "") for d in deltas)
         calls = merge_calls(deltas)
-        message = {"role": "assistant", "content": None if calls and not text else text}
+        message = dict(choice["message"], content=None if calls and not text else text)
         if calls:
             message["tool_calls"] = calls
         return dict(choice, message=message, finish_reason=parser.finish_reason(choice))
@@ -103,10 +104,15 @@ class ToolCalling:
                 continue
             choice = choices[0]
             parser = parsers.setdefault(choice["index"], self.parser())
-            deltas = parser.feed(choice["delta"].get("content", ""))
+            text = choice["delta"].get("content")
+            deltas = parser.feed(text) if text else []
             if choice["finish_reason"] is not None:
                 deltas += parser.finish()
                 choice = dict(choice, finish_reason=parser.finish_reason(choice))
+            # What is not content (a reasoning model's thinking) goes on as it came, first.
+            other = {k: v for k, v in choice["delta"].items() if k != "content"}
+            if other:
+                deltas = [other | deltas[0], *deltas[1:]] if deltas else [other]
             if not deltas and (choice["logprobs"] or choice["finish_reason"]):
                 deltas = [{}]  # nothing to say, but the logprobs or the end
             for i, delta in enumerate(deltas):

@@ -9,6 +9,9 @@ held to a JSON schema, a regex, a choice of strings or an EBNF grammar by xgramm
     the end      ─ EOS is allowed only where the grammar may end, so the scheduler's stop
                    tokens end a sequence whose grammar is complete: nothing else decides
 
+With `reasoning_end_token_id` (a reasoning model's `</think>`), a sequence samples freely until
+it has taken that token, and its grammar holds what follows (vLLM's reasoning_ended).
+
 `StructuredOutputsParams` is pure Python; xgrammar is imported with the first constrained
 request (an optional dependency: `pip install nano-vllm[structured]`)."""
 
@@ -37,6 +40,12 @@ def check_request(params: "SamplingParams", eos_token_ids: set[int], vocab_size:
         raise ValueError(
             "structured_outputs cannot be combined with ignore_eos or min_tokens: the grammar "
             "decides where the output may end (EOS is allowed there and only there)"
+        )
+    end = constraint.reasoning_end_token_id
+    if end is not None and (end >= vocab_size or end in (*eos_token_ids, *params.stop_token_ids)):
+        raise ValueError(
+            f"structured_outputs.reasoning_end_token_id={end} must be a token of the model's "
+            f"vocabulary (< {vocab_size}) that does not end the output"
         )
     if not any(t < vocab_size for t in (*eos_token_ids, *params.stop_token_ids)):
         raise ValueError(

@@ -8,7 +8,9 @@ constrained sequence first feeds its matcher the tokens the sequence took since 
 then fills that sequence's row of the bitmask. So it never needs telling what happened in
 between: a preempted sequence keeps its tokens (its matcher is where it was), one that
 finished (EOS, a stop string, length, abort) is forgotten, and each of a request's n
-sequences has its own matcher.
+sequences has its own matcher. A constraint with reasoning_end_token_id starts later: its rows
+sample freely, and their matcher sees nothing, until the sequence has taken that token (a
+reasoning model's `</think>`); the grammar holds the tokens after it.
 
     bitmask [B, ceil(vocab / 32)] int32: bit t % 32 of word t // 32 of row r = token t allowed
 """
@@ -48,7 +50,21 @@ class GrammarMask:
 class _Tracked:
     seq: Sequence
     matcher: object  # xgrammar.GrammarMatcher
+    end_token_id: int | None  # the grammar starts after the first one (None: at once)
+    start: int | None = 0  # completion tokens before the grammar's first; None: not yet known
+    num_scanned: int = 0  # completion tokens searched for end_token_id
     num_accepted: int = 0  # completion tokens the matcher has taken
+
+    def started(self) -> bool:
+        """Whether the grammar holds the sequence's next token: from the first, or once the
+        sequence has taken end_token_id (searched for in the tokens it took since)."""
+        if self.start is None:
+            ids, first = self.seq.token_ids, self.seq.num_prompt_tokens
+            try:
+                self.start = ids.index(self.end_token_id, first + self.num_scanned) + 1 - first
+            except ValueError:
+                self.num_scanned = len(ids) - first
+        return self.start is not None
 
 
 class GrammarMatchers:
@@ -64,12 +80,14 @@ class GrammarMatchers:
         """The bitmask of a batch's constrained rows that sample this step; None if none does
         (prompt chunks short of the end sample nothing; finished rows' tokens are dropped)."""
         self._forget_finished()
-        rows = [i for i, seq in enumerate(seqs) if samples_under_grammar(seq)]
+        sampling = [i for i, seq in enumerate(seqs) if samples_under_grammar(seq)]
+        tracked = {i: self.tracked.get(seqs[i].seq_id) or self._track(seqs[i]) for i in sampling}
+        rows = [i for i in sampling if tracked[i].started()]
         if not rows:
             return None
         if len(seqs) > len(self.bitmask):
             self.bitmask = self.xgr.allocate_token_bitmask(2 * len(seqs), self.vocab_size)
-        entries = [self.tracked.get(seqs[i].seq_id) or self._track(seqs[i]) for i in rows]
+        entries = [tracked[i] for i in rows]
         self._catch_up(entries)
         matchers = [entry.matcher for entry in entries]
         self.batch.batch_fill_next_token_bitmask(matchers, self.bitmask, rows)
@@ -82,14 +100,19 @@ class GrammarMatchers:
         compiled = self.grammars.compile(seq.sampling_params.structured_outputs)
         stops = sorted(t for t in seq.stop_token_ids if t < self.vocab_size)
         matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
-        entry = self.tracked[seq.seq_id] = _Tracked(seq, matcher)
+        end = seq.sampling_params.structured_outputs.reasoning_end_token_id
+        entry = _Tracked(seq, matcher, end, start=0 if end is None else None)
+        self.tracked[seq.seq_id] = entry
         return entry
 
     def _catch_up(self, entries: list[_Tracked]) -> None:
-        """Feed each matcher the tokens its sequence took since it last saw it: one each,
-        the last step's, but after the first step (none) and a preemption's recompute (none),
-        so one batch call a step."""
-        behind = [(e, e.seq.token_ids[e.seq.num_prompt_tokens + e.num_accepted :]) for e in entries]
+        """Feed each matcher the tokens its sequence took since it last saw it (those after its
+        start): one each, the last step's, but after the first step (none) and a preemption's
+        recompute (none), so one batch call a step."""
+        behind = [
+            (e, e.seq.token_ids[e.seq.num_prompt_tokens + e.start + e.num_accepted :])
+            for e in entries
+        ]
         while behind := [(entry, new) for entry, new in behind if new]:
             # token ids are >= 0; async scheduling's placeholder for one not read yet is not
             assert all(new[0] >= 0 for _, new in behind), "a token not read yet"

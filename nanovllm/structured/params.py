@@ -5,7 +5,7 @@ carries it is read by the control plane and pickled to data-parallel replicas.""
 import json as jsonlib
 from dataclasses import dataclass
 
-from nanovllm.utils import check_bool
+from nanovllm.utils import check_bool, check_int
 
 # The kinds of constraint, in vLLM's order; a request sets exactly one.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -24,6 +24,9 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False  # always so here: xgrammar's strict mode
     whitespace_pattern: str | None = None  # vLLM's outlines option: refused
     structural_tag: str | None = None  # vLLM's: refused (not implemented here)
+    # A reasoning model's end of thinking (Qwen3's `</think>` id): the constraint holds what
+    # follows the output's first such token, and nothing before it. None: the whole output.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("whitespace_pattern", "structural_tag"):
@@ -33,6 +36,8 @@ class StructuredOutputsParams:
         check_bool(
             "structured_outputs.disable_additional_properties", self.disable_additional_properties
         )
+        if self.reasoning_end_token_id is not None:
+            check_int("structured_outputs.reasoning_end_token_id", self.reasoning_end_token_id, 0)
         given = [kind for kind in KINDS if getattr(self, kind) is not None]
         if len(given) != 1:
             raise ValueError(
@@ -74,7 +79,8 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple:
         """What its compiled grammar depends on: equal keys, one grammar (the cache's key). A
-        schema's properties keep their order: the grammar follows it."""
+        schema's properties keep their order: the grammar follows it. Where the grammar starts
+        (reasoning_end_token_id) is the matcher's business, not the grammar's."""
         kind = self.kind
         spec = getattr(self, kind)
         if kind == "json" and isinstance(spec, dict):
