@@ -5,12 +5,10 @@ adapter's KV apart; bad adapters are refused by name and the engine stays usable
 
 import json
 import shutil
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.block_manager import BlockManager
@@ -20,36 +18,12 @@ from nanovllm.lora.request import LoRARequest
 from nanovllm.lora.scheduling import AdapterSlots
 
 peft = pytest.importorskip("peft")
+from peft_adapters import ALL, build_adapter, peft_greedy, peft_model  # noqa: E402
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 60)), [300, 301, 7]]
 TOL = 1e-4  # test_logprobs.py's
-
-
-def build_adapter(
-    base: Path, out: Path, rank: int, targets: list[str], seed: int, **config
-) -> Path:
-    """A random LoRA of `base` saved by PEFT; B scaled up so the adapter changes the tokens."""
-    torch.manual_seed(seed)
-    model = load_base(base)
-    lora = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **config
-    )
-    model = peft.get_peft_model(model, lora)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(5.0)
-    model.save_pretrained(out)
-    return out
-
-
-def load_base(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -66,23 +40,6 @@ def adapters(checkpoints, families, tmp_path_factory) -> dict[str, dict[str, Pat
         }
         for name, base in bases.items()
     }
-
-
-@cache
-def peft_model(base: Path, adapter: Path | None):
-    """transformers' model of `base`, with PEFT applying `adapter` (None: the base alone)."""
-    if adapter is None:
-        return hf_model(str(base))
-    model = peft.PeftModel.from_pretrained(load_base(base), adapter).eval()
-    model.generation_config.eos_token_id = None  # runs the full length, as ignore_eos does
-    return model
-
-
-def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int = 12) -> list[int]:
-    out = peft_model(base, adapter).generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def engine(base: Path, **kwargs) -> LLM:

@@ -3,7 +3,7 @@ loop; the event loop reaches it only through a command queue (add, abort) that t
 thread applies between steps, and gets back each request's new text and tokens per step.
 
     event loop ── offload ──> tokenizer thread: templates, tokenize, make_request (checks)
-    event loop ── add / abort ──> commands ──> loop thread: apply them, step(), detokenize
+    event loop ── add / abort / call ──> commands ──> loop thread: apply them, step(), detokenize
     event loop <── one batch of Deltas per step (call_soon_threadsafe) ───────┘
 
 The engine is not thread-safe, so the loop thread alone steps it; what costs time in
@@ -21,7 +21,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
@@ -146,15 +146,37 @@ class AsyncEngine:
         grows with its size."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
-    async def add_request(self, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) in the loop thread, between two steps (what changes the engine's state
+        outside a request: adding or removing a LoRA adapter); raises what fn raises."""
+        done = self._loop.create_future()
+
+        def command() -> None:
+            try:
+                result, error = fn(*args), None
+            except Exception as e:
+                result, error = None, e
+            self._reply(done, error, result)
+
+        self._commands.put(command)
+        return await done
+
+    async def add_request(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        lora_int_id: int = 0,
+    ) -> RequestStream:
         """Check the prompts (in the tokenizer thread: the engine's make_request) and queue
         them; raises the engine's TypeError / ValueError if one is refused, in which case none
         is queued. A structured output's grammar is compiled first in a thread of its own (its
-        cache then answers make_request), so a slow one holds up no other request."""
+        cache then answers make_request), so a slow one holds up no other request.
+        `lora_int_id`: the LoRA adapter the prompts run under, one the engine has (added with
+        call(engine.add_lora, ...)), checked again as they are queued."""
         if params.structured_outputs is not None:
             prepare = self.engine.prepare_structured_outputs
             await asyncio.get_running_loop().run_in_executor(None, prepare, params)
-        requests = await self.offload(self._make_requests, prompts, params)
+        requests = await self.offload(self._make_requests, prompts, params, lora_int_id)
         stream = RequestStream(requests, params, self._loop)
         self._commands.put(lambda: self._add(stream))
         try:
@@ -189,14 +211,18 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._commands.put, self._abort_all)
 
     def _make_requests(
-        self, prompts: list[list[int]], params: SamplingParams
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        lora_int_id: int,
     ) -> list[EngineRequest]:
         """The engine's checks of each prompt (make_request reads only what never changes);
         an error names the prompt, if there are several."""
-        return [
+        requests = [
             self.engine.make_request(prompt, params, i if len(prompts) > 1 else None)
             for i, prompt in enumerate(prompts)
         ]
+        return [replace(request, lora_int_id=lora_int_id) for request in requests]
 
     # -- the loop thread's side -------------------------------------------------------
 
@@ -309,10 +335,12 @@ class AsyncEngine:
         if batches:
             self._loop.call_soon_threadsafe(_deliver, batches)
 
-    def _reply(self, future: asyncio.Future, error: BaseException | None) -> None:
+    def _reply(
+        self, future: asyncio.Future, error: BaseException | None, result: object = None
+    ) -> None:
         def reply() -> None:
             if not future.done():  # not cancelled meanwhile
-                future.set_result(None) if error is None else future.set_exception(error)
+                future.set_result(result) if error is None else future.set_exception(error)
 
         self._loop.call_soon_threadsafe(reply)
 

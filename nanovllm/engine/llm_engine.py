@@ -100,6 +100,8 @@ class LLMEngine:
         Bad input raises before anything is queued. `prompt` may be make_request()'s result."""
         if not isinstance(prompt, EngineRequest):
             prompt = self.make_request(prompt, sampling_params)
+        elif prompt.lora_int_id and prompt.lora_int_id not in self.list_loras():
+            raise ValueError(f"LoRA adapter {prompt.lora_int_id} is not loaded (removed since?)")
         seqs = self._sequences(prompt)
         if prompt.sampling_params.stop and self.scheduler.stop_strings is None:
             from nanovllm.engine.detokenizer import StopStringChecker  # the first with some

@@ -25,6 +25,11 @@ from dataclasses import MISSING, fields
 
 from nanovllm.demo import DOWNLOAD_COMMAND, is_demo_checkpoint
 
+if typing.TYPE_CHECKING:
+    from nanovllm.engine import LLMEngine
+    from nanovllm.engine.async_engine import AsyncEngine
+    from nanovllm.entrypoints.adapters import ServedAdapters
+
 SERVER_OPTIONS = (
     "host",
     "port",
@@ -37,6 +42,7 @@ SERVER_OPTIONS = (
     "allow_credentials",
     "reasoning_parser",
     "shutdown_timeout",
+    "lora_modules",
 )
 
 
@@ -69,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM, refuse new requests (503) and give those in flight this long to "
         "finish before aborting them; 0: abort at once (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT checkpoints) served under their names, as NAME=PATH or "
+        '\'{"name": NAME, "path": PATH}\'; needs --enable-lora',
     )
     add_http_options(serve)
     add_config_options(serve)
@@ -238,17 +251,23 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socke
         try:
             reasoning = ReasoningParser.load(args.reasoning_parser, engine.tokenizer)
         except ValueError as e:
-            engine.close()
-            sock.close()
-            parser.error(str(e))
+            fail(parser, engine, sock, str(e))
+    front = AsyncEngine(engine)
+    name = args.served_model_name or args.model
+    adapters = None
+    if engine.config.enable_lora:
+        try:
+            adapters = served_adapters(front, name, args.lora_modules or ())
+        except (TypeError, ValueError) as e:
+            fail(parser, engine, sock, str(e))
+    elif args.lora_modules:
+        fail(parser, engine, sock, "--lora-modules needs --enable-lora")
     drain = None
     if args.shutdown_timeout:
         from nanovllm.entrypoints.drain import Drain
 
         drain = Drain(args.shutdown_timeout)
-    front = AsyncEngine(engine)
-    name = args.served_model_name or args.model
-    app = build_app(front, name, http, reasoning, drain)
+    app = build_app(front, name, http, reasoning, drain, adapters)
     server = Server(uvicorn.Config(app, timeout_graceful_shutdown=5), front, drain)
     # uvicorn re-raises the signal that stopped it once its handlers are gone: these
     # catch it, so the process ends with status 0 after closing the engine.
@@ -261,6 +280,29 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socke
         front.close()
         sock.close()
     return 0
+
+
+def served_adapters(front: "AsyncEngine", name: str, modules: list[str]) -> "ServedAdapters":
+    """The server's LoRA adapters, those of --lora-modules read and checked now (a
+    ValueError or TypeError naming the one at fault)."""
+    from nanovllm.entrypoints.adapters import ServedAdapters, parse_lora_module
+
+    adapters = ServedAdapters(front, name)
+    for module in modules:
+        try:
+            adapters.add_at_start(*parse_lora_module(module))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"--lora-modules {module}: {e}") from None
+    return adapters
+
+
+def fail(
+    parser: argparse.ArgumentParser, engine: "LLMEngine", sock: socket.socket, error: str
+) -> typing.NoReturn:
+    """Exit with a usage error once the engine is up: the engine closed (its TP workers too)."""
+    engine.close()
+    sock.close()
+    parser.error(error)
 
 
 def log_as_uvicorn_does(logger: logging.Logger) -> None:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI) over an AsyncEngine:
 
     GET  /health               200 while the engine thread runs
-    GET  /v1/models            the one served model
+    GET  /v1/models            the served model (and its LoRA adapters: adapters.py)
     POST /v1/completions       prompt: text, token ids, or a list of them; echo for scoring
     POST /v1/chat/completions  messages rendered with the tokenizer's chat template
     POST /tokenize, /detokenize  vLLM's: text or messages -> token ids, and back
@@ -34,24 +34,22 @@ from nanovllm.engine.async_engine import AsyncEngine, Delta, RequestStream
 from nanovllm.entrypoints import guards, protocol, responses
 from nanovllm.entrypoints.guards import HTTPOptions
 from nanovllm.entrypoints.metrics import EngineMetrics
-from nanovllm.entrypoints.protocol import error_body
+from nanovllm.entrypoints.protocol import ModelNotFound, error_body
 from nanovllm.entrypoints.responses import ResponseHead
 from nanovllm.entrypoints.tokenization import Tokenization, TokenizedPrompt
 from nanovllm.entrypoints.tools import ToolCalling
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanovllm.entrypoints.adapters import ServedAdapters
     from nanovllm.entrypoints.drain import Drain
     from nanovllm.entrypoints.reasoning import Reasoning, ReasoningParser
 
 logger = logging.getLogger("nanovllm")
 
 
-class ModelNotFound(LookupError):
-    pass
-
-
 class Accepted(NamedTuple):
+    model: str  # the name it asked for: the base model's, or a LoRA adapter's
     stream: RequestStream
     params: SamplingParams
     body: dict
@@ -65,11 +63,13 @@ def build_app(
     options: HTTPOptions | None = None,
     reasoning: "ReasoningParser | None" = None,
     drain: "Drain | None" = None,
+    adapters: "ServedAdapters | None" = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread in uvicorn's event loop, and the task
     that gives memory back when the server is idle. With `reasoning` (--reasoning-parser),
     chat replies' thinking is told apart from their answer (reasoning.py); with `drain`
-    (--shutdown-timeout), SIGTERM drains the server (drain.py, with Server)."""
+    (--shutdown-timeout), SIGTERM drains the server (drain.py, with Server); with `adapters`
+    (--enable-lora), a request's `model` may name a LoRA adapter (adapters.py)."""
     options = options or HTTPOptions()
     idle = guards.IdleTrim()
 
@@ -81,7 +81,7 @@ def build_app(
         trimming.cancel()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
-    server = OpenAIServer(front, model_name, options.max_request_bytes, reasoning, drain)
+    server = OpenAIServer(front, model_name, options.max_request_bytes, reasoning, drain, adapters)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
@@ -89,6 +89,12 @@ def build_app(
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    if adapters is not None:
+        from nanovllm.entrypoints.adapters import runtime_updating_allowed
+
+        if runtime_updating_allowed():
+            app.add_api_route("/v1/load_lora_adapter", server.load_adapter, methods=["POST"])
+            app.add_api_route("/v1/unload_lora_adapter", server.unload_adapter, methods=["POST"])
     app.add_exception_handler(
         RequestValidationError,
         lambda request, e: error_response(400, f"invalid request: {e.errors()}"),
@@ -156,10 +162,11 @@ class OpenAIServer:
         max_request_bytes: int,
         reasoning: "ReasoningParser | None" = None,
         drain: "Drain | None" = None,
+        adapters: "ServedAdapters | None" = None,
     ):
         self.front, self.model_name = front, model_name
         self.max_request_bytes = max_request_bytes
-        self.reasoning, self.drain = reasoning, drain
+        self.reasoning, self.drain, self.adapters = reasoning, drain, adapters
         self.tokenization = Tokenization(front)
         config = front.engine.config
         self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
@@ -173,18 +180,15 @@ class OpenAIServer:
         return Response(status_code=200 if self.front.is_alive() else 503)
 
     async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "nanovllm",
-                    "max_model_len": self.max_model_len,
-                }
-            ],
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "nanovllm",
+            "max_model_len": self.max_model_len,
         }
+        adapters = [] if self.adapters is None else self.adapters.cards(created=0)
+        return {"object": "list", "data": [base, *adapters]}
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -201,39 +205,57 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         return await self._answer(request, self.tokenization.detokenize)
 
+    async def load_adapter(self, request: Request) -> Response:
+        return await self._answer(request, self.adapters.load)
+
+    async def unload_adapter(self, request: Request) -> Response:
+        return await self._answer(request, self.adapters.unload)
+
     async def _answer(self, request: Request, handle: Callable) -> Response:
-        """A request answered by one JSON object (the tokenizer's routes)."""
+        """A request answered by one JSON object (the tokenizer's routes), or a line of text
+        (the adapters' routes, as vLLM's)."""
         body: dict = {}
         try:
             body = await self._read(request)
-            return JSONResponse(await handle(body))
+            answer = await handle(body)
+            if isinstance(answer, str):
+                return Response(answer, media_type="text/plain")
+            return JSONResponse(answer)
         except Exception as e:
             return _refusal(e, request, body)
 
     async def _read(self, request: Request) -> dict:
         body = await guards.read_json(request, self.max_request_bytes)
+        self._lora_int_id(body)  # the model it names is served
+        return body
+
+    def _lora_int_id(self, body: dict) -> int:
+        """The LoRA adapter the request's `model` names; 0: the base model. ModelNotFound if
+        it names neither."""
+        if self.adapters is not None:
+            return self.adapters.resolve(body.get("model"))
         if body.get("model") not in (None, self.model_name):
             raise ModelNotFound(
                 f"The model `{body['model']}` does not exist; this server "
                 f"serves `{self.model_name}`"
             )
-        return body
+        return 0
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         accepted = await self._accept(request, chat)
         if isinstance(accepted, Response):
             return accepted
-        stream, params, body, prompts, reasoning = accepted
+        model, stream, params, body, prompts, reasoning = accepted
         streamed, top_k = bool(body.get("stream")), params.logprobs
         if chat:
             head = ResponseHead(
                 "chatcmpl",
                 "chat.completion.chunk" if streamed else "chat.completion",
-                self.model_name,
+                model,
             )
             choice = functools.partial(responses.chat_choice, top_k=top_k, streamed=streamed)
         else:
-            head = ResponseHead("cmpl", "text_completion", self.model_name)
+            head = ResponseHead("cmpl", "text_completion", model)
             choice = functools.partial(responses.completion_choice, top_k=top_k)
         calling = ToolCalling.from_body(body) if chat else None  # tools.py reads the text
         if streamed:
@@ -285,10 +307,12 @@ class OpenAIServer:
                     params = reasoning.constrain(params)
             else:
                 prompts = await self.tokenization.completion_prompts(body, params.n)
-            stream = await self.front.add_request([p.token_ids for p in prompts], params)
+            token_ids, lora_int_id = [p.token_ids for p in prompts], self._lora_int_id(body)
+            stream = await self.front.add_request(token_ids, params, lora_int_id)
         except Exception as e:
             return _refusal(e, request, body)
-        return Accepted(stream, params, body, prompts, reasoning)
+        model = body.get("model") or self.model_name
+        return Accepted(model, stream, params, body, prompts, reasoning)
 
     async def _chunks(
         self,
@@ -355,7 +379,7 @@ def _refusal(error: Exception, request: Request, body: dict) -> Response:
     if isinstance(error, guards.HTTPError):
         return error_response(error.status, str(error), code=error.code)
     if isinstance(error, ModelNotFound):
-        return error_response(404, str(error), param="model", code="model_not_found")
+        return error_response(404, str(error), param=error.param, code="model_not_found")
     if isinstance(error, (TypeError, ValueError)):
         return error_response(400, str(error), param=protocol.param_of(str(error), body))
     raise error

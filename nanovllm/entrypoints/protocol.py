@@ -255,6 +255,14 @@ def _text_content(content: object) -> str:
     )
 
 
+class ModelNotFound(LookupError):
+    """A 404: the request names a model (or LoRA adapter) that is not served."""
+
+    def __init__(self, message: str, param: str = "model"):
+        super().__init__(message)
+        self.param = param
+
+
 def error_body(
     message: str,
     type_: str = "invalid_request_error",

@@ -42,7 +42,10 @@ def read_adapter(request: LoRARequest, max_rank: int) -> Adapter:
     path = os.path.expanduser(request.lora_path)
     config = _read_config(path, request.lora_name)
     scale_of = _scaling(config)
-    tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+    try:
+        tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+    except Exception as e:  # safetensors' own error type: a file cut short, not safetensors
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {WEIGHTS_FILE}: {e}") from None
     pairs = _pairs(tensors, request.lora_name)
     rank = max(a.shape[0] for a, _ in pairs.values())
     if rank > max_rank:
@@ -62,7 +65,12 @@ def _read_config(path: str, name: str) -> dict:
                 f"safetensors, as PeftModel.save_pretrained writes it)"
             )
     with open(os.path.join(path, CONFIG_FILE)) as f:
-        config = json.load(f)
+        try:
+            config = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} must hold a JSON object")
     refused = {
         "peft_type": config.get("peft_type", "LORA") not in ("LORA", None),
         "use_dora": bool(config.get("use_dora")),
