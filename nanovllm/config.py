@@ -16,7 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULING_POLICIES = ("mixed", "prefill_first")
-QUANTIZATIONS = ("int8",)
+PUBLISHED_QUANTIZATIONS = ("gptq", "awq")  # read from the checkpoint
+QUANTIZATIONS = ("int8", *PUBLISHED_QUANTIZATIONS)
 AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size")
 
 
@@ -42,7 +43,7 @@ class Config:
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
     cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (platforms/cpu/)
     cpu_decode_step: bool = True  # a CPU decodes in one native call (platforms/cpu/decode_step.py)
-    quantization: str | None = None  # "int8": weights quantized at load (quantization/)
+    quantization: str | None = None  # "int8": quantized at load; "gptq", "awq": published so
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
@@ -99,6 +100,7 @@ class Config:
                 self.speculative_config, self.async_scheduling
             )
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.quantization = checkpoint_quantization(self.model, self.hf_config, self.quantization)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         check_model_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
 
@@ -118,6 +120,37 @@ class Config:
 # -- what of a checkpoint our models run --------------------------------------------------
 
 
+def checkpoint_quantization(
+    model: str, hf_config: PretrainedConfig, asked: str | None
+) -> str | None:
+    """`quantization` as the checkpoint has it: "gptq" or "awq" for a checkpoint published so
+    (its quantization_config, or AutoGPTQ's / AutoAWQ's file beside config.json, read by
+    quantization/published.py, imported only then), else what was asked."""
+    files = ("quantize_config.json", "quant_config.json")
+    quantized = getattr(hf_config, "quantization_config", None) is not None or any(
+        os.path.isfile(os.path.join(model, name)) for name in files
+    )
+    if not quantized and asked not in PUBLISHED_QUANTIZATIONS:
+        return asked
+    from nanovllm.quantization.published import find_quantization_config, read_scheme
+
+    config = find_quantization_config(model, hf_config)
+    if config is None:
+        if asked in PUBLISHED_QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={asked!r} needs a checkpoint quantized so (a quantization_config "
+                f"in config.json); {model!r} has none: pass quantization='int4' to quantize it"
+            )
+        return asked
+    method = read_scheme(config).method
+    if asked not in (None, method):
+        raise ValueError(
+            f"the checkpoint is quantized with {method}; quantization={asked!r} cannot apply "
+            f"(pass quantization={method!r} or none)"
+        )
+    return method
+
+
 def check_model_config(hf_config: PretrainedConfig, tp_size: int, max_model_len: int) -> None:
     """Refuse, by name and before any process is spawned or weight read, what no family here
     implements (RoPE types are get_rope's to refuse, as the layers are built)."""
@@ -126,8 +159,6 @@ def check_model_config(hf_config: PretrainedConfig, tp_size: int, max_model_len:
         raise ValueError(
             f"hidden_act {hf_config.hidden_act!r} is not supported; only 'silu' (SwiGLU) is"
         )
-    if getattr(hf_config, "quantization_config", None):
-        raise ValueError("quantization_config is set: quantized checkpoints are not supported")
     if tp_size > 1:
         from nanovllm.distributed.sharding import check_sharding
 

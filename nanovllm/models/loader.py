@@ -30,8 +30,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters())
     expected = expected_tensors(model, params)
-    found = _checkpoint_tensors(path)
-    _check_names(model, path, expected, found)
+    found = checkpoint_tensors(path)
+    check_names(model, path, expected, found)
     errors = []
     for file, names in _by_file(found, expected).items():
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -98,7 +98,7 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def _checkpoint_tensors(path: str) -> dict[str, str]:
+def checkpoint_tensors(path: str) -> dict[str, str]:
     """Tensor name -> the file holding it (the recomputed buffers left out)."""
     found = {}
     for file in checkpoint_files(path):
@@ -107,7 +107,7 @@ def _checkpoint_tensors(path: str) -> dict[str, str]:
     return found
 
 
-def _check_names(model: nn.Module, path: str, expected: dict, found: dict) -> None:
+def check_names(model: nn.Module, path: str, expected: dict, found: dict) -> None:
     """Before a tensor is read: every missing and every extra tensor, by name."""
     extra = sorted(
         name

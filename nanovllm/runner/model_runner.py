@@ -21,7 +21,7 @@ import torch
 from nanovllm.attention.backend import select_backend
 from nanovllm.attention.metadata import attention_context
 from nanovllm.compilation import ops_scope
-from nanovllm.config import Config
+from nanovllm.config import PUBLISHED_QUANTIZATIONS, Config
 from nanovllm.core.block_manager import block_table_width
 from nanovllm.core.sequence import Sequence
 from nanovllm.device import list_to_device, torch_dtype
@@ -130,6 +130,10 @@ class ModelRunner:
             from nanovllm.models.dummy import load_dummy_weights
 
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
+        elif self.config.quantization in PUBLISHED_QUANTIZATIONS:  # GPTQ, AWQ: as published
+            from nanovllm.quantization.published import load_published
+
+            load_published(model, self.config.model, hf_config)
         else:
             load_model(model, self.config.model)
         model.requires_grad_(False)

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.compilation import OpChoice
-from nanovllm.config import Config
+from nanovllm.config import PUBLISHED_QUANTIZATIONS, Config
 from nanovllm.platforms.cpu import host, ops, threads
 from nanovllm.platforms.cpu.decode_step import native_decode_step
 from nanovllm.platforms.cpu.weights import pack_linear_weights_if_they_fit
@@ -40,8 +40,10 @@ class CpuPlatform(Platform):
         return ops.native_ops
 
     def prepare_weights(self, model: nn.Module) -> None:
-        """int8 weights when asked for (quantization/), else oneDNN-packed copies where they fit."""
-        if self.config.quantization is not None:
+        """int8 or int4 weights when asked for (quantization/); else, and beside the layers of a
+        checkpoint published quantized (which loading gave Int4Weight), oneDNN-packed copies
+        where they fit."""
+        if self.config.quantization not in (None, *PUBLISHED_QUANTIZATIONS):
             from nanovllm.quantization import quantize_model
 
             quantize_model(model, self.config.quantization)

@@ -42,7 +42,9 @@ def native_decode_step(
         return None
     if not cpu_step.usable():
         return None
-    int8 = config.quantization is not None  # "int8", checked by Config
+    if config.quantization not in (None, "int8"):  # 4-bit weights: their own GEMM alone
+        return None
+    int8 = config.quantization == "int8"
     if int8 and cpu_int8.load() is None:
         return None
     return NativeDecodeStep(model, config.kvcache_block_size, int8)

@@ -32,15 +32,19 @@ class PackedWeight:
 
 
 def pack_linear_weights(model: nn.Module, undo: bool = False) -> int:
-    """Every linear (the LM head too) of at least PACKED_MIN_WEIGHT elements reads a packed copy
-    of its weight (`undo`: none does). Returns how many do."""
+    """Every float linear (the LM head too) of at least PACKED_MIN_WEIGHT elements reads a packed
+    copy of its weight (`undo`: none does); a quantized one is left as it is. Returns how many."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, FormattedWeight):
+        if isinstance(module, FormattedWeight) and not _quantized(module):
             pack = not undo and module.weight.numel() >= PACKED_MIN_WEIGHT
             module.set_weight_format(PackedWeight(module.weight.detach()) if pack else None)
             packed += pack
     return packed
+
+
+def _quantized(module: FormattedWeight) -> bool:
+    return module.weight_format is not None and not isinstance(module.weight_format, PackedWeight)
 
 
 def pack_linear_weights_if_they_fit(model: nn.Module, tp_size: int) -> None:
