@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULING_POLICIES = ("mixed", "prefill_first")
-PUBLISHED_QUANTIZATIONS = ("gptq", "awq")  # read from the checkpoint
+PUBLISHED_QUANTIZATIONS = ("gptq", "awq", "gguf")  # as the checkpoint has them
 QUANTIZATIONS = ("int8", *PUBLISHED_QUANTIZATIONS)
 AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size")
 
@@ -52,14 +52,14 @@ class Config:
     max_loras: int = 1  # adapters in one step (their slots), with enable_lora
     max_lora_rank: int = 16  # the highest adapter rank accepted, with enable_lora
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    gguf_file: str | None = field(init=False, default=None)  # the model folder's, for one
 
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(
-                f"model must be a directory holding config.json; "
-                f"{self.model!r} is not (no model is downloaded)"
-            )
+        if self.model.endswith(".gguf") or not os.path.isfile(
+            os.path.join(self.model, "config.json")
+        ):
+            self._find_gguf_file()  # a GGUF file, or a folder of one: the model is its folder
         for name in AT_LEAST_ONE:
             check_int(name, getattr(self, name), minimum=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
@@ -99,10 +99,31 @@ class Config:
             self.speculative_config = parse_speculative_config(
                 self.speculative_config, self.async_scheduling
             )
-        self.hf_config = AutoConfig.from_pretrained(self.model)
-        self.quantization = checkpoint_quantization(self.model, self.hf_config, self.quantization)
+        if self.gguf_file is not None:
+            try:
+                from nanovllm.quantization.gguf_checkpoint import gguf_config
+            except ImportError as e:
+                raise ImportError(
+                    f"a GGUF file needs the gguf package: pip install 'nano-vllm[gguf]' ({e})"
+                ) from None
+            self.hf_config = gguf_config(self.model, self.gguf_file)
+            self.quantization = gguf_quantization(self.quantization)
+        else:
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+            self.quantization = checkpoint_quantization(
+                self.model, self.hf_config, self.quantization
+            )
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         check_model_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
+
+    def _find_gguf_file(self) -> None:
+        found = find_gguf_file(self.model)
+        if found is None:
+            raise ValueError(
+                f"model must be a directory holding config.json, or a GGUF file; "
+                f"{self.model!r} is neither (no model is downloaded)"
+            )
+        self.model, self.gguf_file = found
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
@@ -118,6 +139,32 @@ class Config:
 
 
 # -- what of a checkpoint our models run --------------------------------------------------
+
+
+def find_gguf_file(model: str) -> tuple[str, str] | None:
+    """(folder, file name) when `model` is a .gguf file or a folder of one .gguf without a
+    config.json; None otherwise. A folder of several .gguf files (the parts of a split file, or
+    several quantizations) is a ValueError asking for one."""
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return os.path.dirname(model) or ".", os.path.basename(model)
+    if not os.path.isdir(model) or os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    files = sorted(name for name in os.listdir(model) if name.endswith(".gguf"))
+    if len(files) > 1:
+        raise ValueError(
+            f"{model!r} holds {len(files)} .gguf files ({', '.join(files)}); pass the path of "
+            "one (a file split in parts is not supported: llama-gguf-split --merge joins them)"
+        )
+    return (model, files[0]) if files else None
+
+
+def gguf_quantization(asked: str | None) -> str:
+    if asked not in (None, "gguf"):
+        raise ValueError(
+            f"a GGUF file's weights are quantized as the file has them; quantization={asked!r} "
+            "cannot apply (pass quantization='gguf' or none)"
+        )
+    return "gguf"
 
 
 def checkpoint_quantization(
@@ -138,8 +185,8 @@ def checkpoint_quantization(
     if config is None:
         if asked in PUBLISHED_QUANTIZATIONS:
             raise ValueError(
-                f"quantization={asked!r} needs a checkpoint quantized so (a quantization_config "
-                f"in config.json); {model!r} has none: pass quantization='int4' to quantize it"
+                f"quantization={asked!r} needs a checkpoint published so (a GGUF file, or a "
+                f"quantization_config in config.json); {model!r} is not"
             )
         return asked
     method = read_scheme(config).method

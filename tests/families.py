@@ -96,7 +96,10 @@ def build_tokenizer_once(path: Path) -> Path:
     return path
 
 
-def build_family_checkpoint(path: Path, name: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_family_checkpoint(
+    path: Path, name: str, tokenizer_dir: Path, seed: int = 0, **shape
+) -> Path:
+    """`shape`: SHAPE's fields to change (hidden_size, ...)."""
     import transformers
 
     family = FAMILIES[name]
@@ -105,7 +108,7 @@ def build_family_checkpoint(path: Path, name: str, tokenizer_dir: Path, seed: in
         shutil.copy(file, path / file.name)
     rope = {"rope_type": "default", **(family.rope_scaling or {}), "rope_theta": ROPE_THETA}
     config = getattr(transformers, family.config_class)(
-        **SHAPE | family.config,
+        **SHAPE | family.config | shape,
         vocab_size=_vocab_size(path),
         eos_token_id=_eos_token_id(path),
         bos_token_id=None,

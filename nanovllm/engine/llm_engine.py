@@ -72,7 +72,7 @@ class _Pending:
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config.from_kwargs(model, kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model, gguf_file=config.gguf_file)
         self.eos_token_ids = find_eos_token_ids(config, self.tokenizer)
         self.model_runner = ModelRunner(config)
         block_manager = BlockManager(

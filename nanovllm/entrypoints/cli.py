@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible HTTP server",
         description="Serve MODEL over OpenAI's HTTP API.",
     )
-    serve.add_argument("model", help="a model directory (config.json, weights, tokenizer)")
+    serve.add_argument(
+        "model", help="a model directory (config.json, weights, tokenizer), or a GGUF file"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     serve.add_argument(
         "--port", type=int, default=8000, help="0: one the OS picks; default: %(default)s"
@@ -188,12 +190,21 @@ def missing_model(argv: list[str]) -> str | None:
     if len(argv) < 2 or argv[0] != "serve" or argv[1].startswith("-"):
         return None
     asks_for_help = bool({"-h", "--help"} & set(argv))
-    if asks_for_help or os.path.isfile(os.path.join(os.path.expanduser(argv[1]), "config.json")):
+    if asks_for_help or is_model(os.path.expanduser(argv[1])):
         return None
     return (
-        f"nanovllm serve: no model at {argv[1]!r} (no config.json in it); serve a model "
-        f"directory, e.g. Qwen3-0.6B after `{DOWNLOAD_COMMAND}`"
+        f"nanovllm serve: no model at {argv[1]!r} (no config.json in it, nor a GGUF file); "
+        f"serve a model directory, e.g. Qwen3-0.6B after `{DOWNLOAD_COMMAND}`"
     )
+
+
+def is_model(path: str) -> bool:
+    """A checkpoint folder, a GGUF file, or a folder holding one (Config tells which)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return True
+    if os.path.isdir(path):
+        return any(name.endswith(".gguf") for name in os.listdir(path))
+    return path.endswith(".gguf") and os.path.isfile(path)
 
 
 def listen(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:

@@ -15,12 +15,9 @@ Both store, per linear layer `P` of K inputs and N outputs, groups of `group_siz
           P.scales  [G, N]   float16
 
 and mean w[n, k] = scale[g, n] * (q[k, n] - zero[g, n]) for g = k // group_size. That is
-quantization/int4.py's Int4Weight exactly: q, scale, and offset = -scale * zero. Each layer's
-q, scale and offset are loaded through the layer's own weight_loader (q into the float weight,
-where 0..15 are exact in any dtype; scale and offset into tensors of one column a group), so
-tensor parallelism and the fused q|k|v and gate|up layers shard them as they shard a float
-weight; then the layer reads Int4Weight and its float weight is freed. What is not quantized
-(embeddings, norms, and the LM head in most checkpoints) loads as a float checkpoint's does.
+quantization/int4.py's Int4Weight exactly: q, scale, and offset = -scale * zero, loaded by
+loading.py. What is not quantized (embeddings, norms, and the LM head in most checkpoints) loads
+as a float checkpoint's does.
 """
 
 import json
@@ -31,8 +28,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm.layers.linear import LinearBase, default_weight_loader
 from nanovllm.models.loader import check_names, checkpoint_tensors, expected_tensors
+from nanovllm.quantization.loading import Int4Tensors, load_layers
 
 METHODS = ("gptq", "awq")
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized layer's tensors (AWQ: no g_idx)
@@ -122,10 +119,8 @@ def unpack_columns(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor
     return columns.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
-def unpack(
-    tensors: dict[str, torch.Tensor], scheme: Scheme, name: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """One layer's (q [N, K] uint8, scale [N, G], offset [N, G] float32, group size)."""
+def unpack(tensors: dict[str, torch.Tensor], scheme: Scheme, name: str) -> Int4Tensors:
+    """One layer's 4-bit values with their scales and offsets (loading.py)."""
     scales = tensors["scales"].float()
     if scheme.method == "gptq":
         q = unpack_rows(tensors["qweight"])  # [K, N]
@@ -151,11 +146,9 @@ def unpack(
             raise ValueError(
                 f"{name}: g_idx is not the inputs' groups in order (act-order), not supported"
             )
-    return (
-        q.t().contiguous(),
-        scales.t().contiguous(),
-        (-scales * zeros).t().contiguous(),
-        group_size,
+    offset = -scales * zeros
+    return Int4Tensors(
+        q.t().contiguous(), scales.t().contiguous(), offset.t().contiguous(), group_size
     )
 
 
@@ -163,67 +156,24 @@ def unpack(
 
 
 def load_published(model: nn.Module, path: str, hf_config: object) -> int:
-    """Load a GPTQ / AWQ checkpoint into `model`, each quantized layer then reading Int4Weight;
-    how many layers are. A ValueError names every tensor that does not fit."""
-    from nanovllm.quantization.int4 import Int4Weight
-
+    """Load a GPTQ / AWQ checkpoint into `model` (loading.py); how many layers read 4 bits."""
     scheme = read_scheme(find_quantization_config(path, hf_config))
-    params = dict(model.named_parameters())
-    expected = expected_tensors(model, params)
+    expected = expected_tensors(model, dict(model.named_parameters()))
     found = checkpoint_tensors(path)
-    layers = sorted(name.removesuffix(".qweight") for name in found if name.endswith(".qweight"))
+    layers = {name.removesuffix(".qweight") for name in found if name.endswith(".qweight")}
     plain = {name: file for name, file in found.items() if name.rpartition(".")[0] not in layers}
     check_names(model, path, expected, plain | {f"{layer}.weight": "" for layer in layers})
-    errors, side = [], {}  # side: parameter -> (scale, offset), this rank's shards
-    for name, (param_name, shard_id) in expected.items():
-        param = params[param_name]
-        loader = getattr(param, "weight_loader", default_weight_loader)
+
+    def read(name: str) -> torch.Tensor | Int4Tensors:
         layer = name.removesuffix(".weight")
-        try:
-            if layer not in layers:
-                loader(param, _read(found, name), shard_id)
-                continue
-            module = model.get_submodule(param_name.rpartition(".")[0])
-            if not isinstance(module, LinearBase):  # e.g. Qwen3-MoE's experts
-                raise ValueError(
-                    f"a {type(module).__name__}'s weights cannot load quantized "
-                    f"({scheme.method}); only linear layers' can"
-                )
-            parts = {p: _read(found, f"{layer}.{p}") for p in PARTS if f"{layer}.{p}" in found}
-            q, scale, offset, group_size = unpack(parts, scheme, layer)
-            loader(param, q.to(param.dtype), shard_id)
-            groups = _groups(param.shape[1], group_size, layer)
-            own = side.setdefault(
-                param_name, (_side(param, groups), _side(param, groups), group_size)
-            )
-            loader(own[0], scale, shard_id)
-            loader(own[1], offset, shard_id)
-        except (ValueError, KeyError) as e:
-            errors.append(f"checkpoint tensor {name!r}: {e}")
-    if errors:
-        raise ValueError("\n".join(errors))
-    for param_name, (scale, offset, group_size) in side.items():
-        module = model.get_submodule(param_name.rpartition(".")[0])
-        q = params[param_name].detach().to(torch.uint8)
-        module.set_weight_format(Int4Weight(q, scale, offset, group_size), keep_weight=False)
-    return len(side)
+        if layer not in layers:
+            return _read(found, name)
+        parts = {p: _read(found, f"{layer}.{p}") for p in PARTS if f"{layer}.{p}" in found}
+        return unpack(parts, scheme, layer)
+
+    return load_layers(model, expected, read)
 
 
 def _read(found: dict[str, str], name: str) -> torch.Tensor:
     with safe_open(found[name], framework="pt", device="cpu") as f:
         return f.get_tensor(name)
-
-
-def _groups(in_features: int, group_size: int, layer: str) -> int:
-    """This rank's groups: its inputs must be whole groups."""
-    if in_features % group_size:
-        raise ValueError(
-            f"{layer}: this rank's {in_features} inputs are not whole groups of {group_size} "
-            "(tensor_parallel_size splits a group)"
-        )
-    return in_features // group_size
-
-
-def _side(param: torch.Tensor, groups: int) -> torch.Tensor:
-    """A float32 tensor of the parameter's rows and one column a group."""
-    return torch.empty(param.shape[0], groups, dtype=torch.float32)

@@ -130,10 +130,10 @@ class ModelRunner:
             from nanovllm.models.dummy import load_dummy_weights
 
             load_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02))
-        elif self.config.quantization in PUBLISHED_QUANTIZATIONS:  # GPTQ, AWQ: as published
-            from nanovllm.quantization.published import load_published
+        elif self.config.quantization in PUBLISHED_QUANTIZATIONS:  # GPTQ, AWQ, GGUF
+            from nanovllm.quantization import load_published
 
-            load_published(model, self.config.model, hf_config)
+            load_published(model, self.config.model, self.config.gguf_file, hf_config)
         else:
             load_model(model, self.config.model)
         model.requires_grad_(False)

@@ -1,0 +1,150 @@
+"""GGUF files (quantization/gguf_checkpoint.py): `LLM("model.gguf")` reads llama.cpp's file as
+it is. The files are written here (tests/gguf_files.py) from random checkpoints of Qwen3's
+layout and Llama's (Mistral's family: llama.cpp's converter permutes its q and k rows), with
+the projections in Q4_K or Q4_0 (our int4 kernel reads them), F32, or a mix with Q8_0 (which is
+dequantized at load). The oracle is transformers reading the same file (its GGUF loader
+dequantizes with gguf-py): our prefill logits must be its, to float32 rounding, and our greedy
+tokens its greedy tokens."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+from families import build_family_checkpoint, build_tokenizer_once
+from test_quantization import EXACT_TOLERANCE, engine, make_prompts, prefill_logits
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.demo import build_tiny_qwen3
+
+gguf = pytest.importorskip("gguf")
+from gguf_files import Q, write_gguf  # noqa: E402
+
+# Q4_K's blocks are 256 values of a row: every projection's inputs a multiple of 256.
+SHAPE = dict(hidden_size=256, intermediate_size=512)
+MIXED = "mixed"  # Q4_K, with v_proj, down_proj and the LM head in Q8_0 (as Q4_K_M has Q6_K)
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_bases")
+    tokenizer = build_tokenizer_once(root / "tokenizer")
+    return {
+        # head_dim 128, as every Qwen3's: transformers' GGUF reading assumes it for qwen3
+        "qwen3": build_tiny_qwen3(root / "qwen3", head_dim=128, **SHAPE),
+        "mistral": build_family_checkpoint(
+            root / "mistral", "mistral", tokenizer, head_dim=64, **SHAPE
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def files(bases, tmp_path_factory):
+    """(family, type) -> the GGUF file, alone in a folder."""
+    root = tmp_path_factory.mktemp("gguf_files")
+    made = {}
+    for family, base in bases.items():
+        for kind in ("Q4_K", "Q4_0", "F32", MIXED):
+            folder = root / f"{family}-{kind}"
+            folder.mkdir()
+            if kind == MIXED:
+                types = dict(linear=Q.Q4_K, v_proj=Q.Q8_0, down_proj=Q.Q8_0, lm_head=Q.Q8_0)
+            else:
+                types = dict(linear=Q[kind])
+            made[family, kind] = write_gguf(base, folder / "model.gguf", **types)
+    return made
+
+
+def oracle(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def int4_layers(llm: LLM) -> int:
+    from nanovllm.quantization.int4 import Int4Weight
+
+    model = llm.model_runner.model
+    return sum(isinstance(getattr(m, "weight_format", None), Int4Weight) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "F32", MIXED])
+def test_logits_are_transformers_reading_the_same_file(files, family, kind):
+    path = files[family, kind]
+    prompts = make_prompts()
+    with engine(path) as llm:
+        assert llm.config.quantization == "gguf"
+        # per layer: q|k|v, o, gate|up, down; MIXED: v (in q|k|v) and down are not 4-bit
+        assert int4_layers(llm) == {"F32": 0, MIXED: 2 * 2}.get(kind, 2 * 4)
+        logits = prefill_logits(llm, prompts)
+    model = oracle(path)
+    expected = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(logits, expected, atol=EXACT_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_greedy_tokens_are_transformers_the_native_step_on_and_off(files, family):
+    path = files[family, "Q4_K"]
+    prompt, n = make_prompts((9,), seed=5)[0], 10
+    out = oracle(path).generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+    expected = out[0, len(prompt) :].tolist()
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for step in (True, False):
+        with engine(path, cpu_decode_step=step) as llm:
+            got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == expected, f"cpu_decode_step={step}"
+
+
+def test_the_file_or_its_folder_and_the_files_tokenizer(files):
+    path = files["qwen3", "Q4_K"]
+    text = "def main():\n    return 42"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(path.parent), device="cpu", num_kvcache_blocks=32) as llm:
+        by_folder = llm.generate([text], params, use_tqdm=False)[0]
+        template = llm.tokenizer.chat_template
+    with LLM(str(path), device="cpu", num_kvcache_blocks=32) as llm:
+        by_file = llm.generate([text], params, use_tqdm=False)[0]
+    assert by_file.outputs[0].token_ids == by_folder.outputs[0].token_ids
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert by_file.prompt_token_ids == tokenizer.encode(text)
+    assert template and "<|im_start|>" in template  # the file's chat template
+
+
+def test_a_type_without_a_kernel_is_dequantized_with_one_warning(files, caplog):
+    with caplog.at_level(logging.WARNING, logger="nanovllm"):
+        with engine(files["qwen3", MIXED]):
+            pass
+    warnings = [r.getMessage() for r in caplog.records if "GGUF" in r.getMessage()]
+    # v of 2 layers, down of 2, the LM head; q and k ride with v: 3 q|k|v parts each
+    assert len(warnings) == 1 and "Q8_0" in warnings[0], warnings
+
+
+def test_bad_files_and_arguments_are_refused_by_name(files, tmp_path):
+    path = files["qwen3", "Q4_0"]
+    with pytest.raises(ValueError, match="quantization='int8' cannot apply"):
+        LLM(str(path), device="cpu", quantization="int8")
+    two = tmp_path / "two"
+    two.mkdir()
+    shutil.copy(path, two / "a.gguf")
+    shutil.copy(path, two / "b.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\)"):
+        LLM(str(two), device="cpu")
+    other = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(other), "falcon")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'falcon' is not supported"):
+        LLM(str(other), device="cpu")
+    with pytest.raises(ValueError, match="neither"):
+        LLM(str(tmp_path / "absent.gguf"), device="cpu")
