@@ -35,6 +35,14 @@ class Running(NamedTuple):
             f.seek(offset)
             return f.read()
 
+    def client(self, client_class: type | None = None, **options):
+        """The official openai client (or `client_class`, openai.AsyncOpenAI) for this server:
+        no retries, a minute's timeout."""
+        import openai
+
+        options = dict(api_key="unused", timeout=60, max_retries=0) | options
+        return (client_class or openai.OpenAI)(base_url=f"{self.url}/v1", **options)
+
     def rss_mib(self) -> float:
         """The server process's resident memory (Linux's /proc)."""
         status = Path(f"/proc/{self.proc.pid}/status").read_text()

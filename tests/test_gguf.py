@@ -12,7 +12,13 @@ import shutil
 import pytest
 import torch
 from families import build_family_checkpoint, build_tokenizer_once
-from test_quantization import EXACT_TOLERANCE, engine, make_prompts, prefill_logits
+from test_quantization import (
+    EXACT_TOLERANCE,
+    assert_greedy_tokens_are,
+    engine,
+    make_prompts,
+    prefill_logits,
+)
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo import build_tiny_qwen3
@@ -90,16 +96,7 @@ def test_logits_are_transformers_reading_the_same_file(files, family, kind):
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
 def test_greedy_tokens_are_transformers_the_native_step_on_and_off(files, family):
     path = files[family, "Q4_K"]
-    prompt, n = make_prompts((9,), seed=5)[0], 10
-    out = oracle(path).generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
-    )
-    expected = out[0, len(prompt) :].tolist()
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    for step in (True, False):
-        with engine(path, cpu_decode_step=step) as llm:
-            got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        assert got == expected, f"cpu_decode_step={step}"
+    assert_greedy_tokens_are(oracle(path), path, make_prompts((9,), seed=5)[0])
 
 
 def test_the_file_or_its_folder_and_the_files_tokenizer(files):

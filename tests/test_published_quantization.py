@@ -20,7 +20,13 @@ import pytest
 import torch
 from conftest import hf_model
 from safetensors.torch import load_file, save_file
-from test_quantization import EXACT_TOLERANCE, engine, make_prompts, prefill_logits
+from test_quantization import (
+    EXACT_TOLERANCE,
+    assert_greedy_tokens_are,
+    engine,
+    make_prompts,
+    prefill_logits,
+)
 
 from nanovllm import LLM, SamplingParams
 
@@ -143,15 +149,7 @@ def test_logits_are_transformers_with_the_dequantized_weights(made, method, fami
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_greedy_tokens_are_transformers_and_the_native_step_agrees(made, method):
     path, oracle = made[method, "qwen3"]
-    prompt, n = make_prompts((12,), seed=3)[0], 10
-    expected = oracle.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    for step in (True, False):
-        with engine(path, cpu_decode_step=step) as llm:
-            got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        assert got == expected, f"cpu_decode_step={step}"
+    assert_greedy_tokens_are(oracle, path, make_prompts((12,), seed=3)[0])
 
 
 def test_tensor_parallel_shards_the_groups_as_the_weights(made):

@@ -71,6 +71,18 @@ def engine(path, **kwargs) -> LLM:
     return LLM(str(path), device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, **kwargs)
 
 
+def assert_greedy_tokens_are(oracle, path, prompt: list[int], n: int = 10) -> None:
+    """Our greedy tokens on `path`, with the native decode step and without, are those of
+    `oracle` (a transformers model) generating greedily."""
+    out = oracle.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    expected = out[0, len(prompt) :].tolist()
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for step in (True, False):
+        with engine(path, cpu_decode_step=step) as llm:
+            got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == expected, f"cpu_decode_step={step}"
+
+
 @pytest.fixture(scope="module")
 def all_checkpoints(checkpoints, families) -> dict:
     return {"qwen3": checkpoints["gqa"], "qwen3_tied": checkpoints["mqa"], **families}

@@ -42,9 +42,7 @@ def offline(bos_checkpoint):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0
-    ) as client:
+    with server.client() as client:
         yield client
 
 

@@ -73,9 +73,7 @@ def offline(bos_checkpoint, adapters):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0
-    ) as client:
+    with server.client() as client:
         yield client
 
 
@@ -127,9 +125,7 @@ def test_the_model_field_chooses_the_adapter_as_peft_computes_it(client, offline
 
 def test_requests_of_every_adapter_at_once_share_steps_and_each_is_right(server, offline):
     async def run() -> list[tuple[str, str]]:
-        async with openai.AsyncOpenAI(
-            base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0
-        ) as client:
+        async with server.client(openai.AsyncOpenAI) as client:
 
             async def one(model: str) -> tuple[str, str]:
                 got = await client.completions.create(

@@ -62,9 +62,7 @@ def end(offline) -> int:
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0
-    ) as client:
+    with server.client() as client:
         yield client
 
 
