@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from thinking import ANSWER, SEED, THINK_BIAS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.reasoning import ReasoningParser, ThinkingSplitter
@@ -45,18 +46,6 @@ def test_chat_template_kwargs_must_be_a_dict(llm):
 
 
 # -- structured outputs after the thinking ---------------------------------------------------
-
-ANSWER = {
-    "type": "object",
-    "properties": {
-        "answer": {"enum": ["yes", "no"]},
-        "level": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["answer", "level"],
-}
-# Random weights never close their thinking by themselves: a bias on </think> makes the seeded
-# sample do so after a few tokens (5 with this seed).
-THINK_BIAS, SEED = 3.5, 5
 
 
 def thinking_params(llm, **kwargs) -> SamplingParams:

@@ -13,22 +13,12 @@ import urllib.request
 import jsonschema
 import openai
 import pytest
-from serving import engine_flags, running_server
+from serving import ENGINE, NAME, engine_flags, running_server
+from thinking import ANSWER, SEED, THINK_BIAS
 
 from nanovllm import LLM, SamplingParams
 
-NAME = "tiny"
-ENGINE = dict(device="cpu", max_model_len=512, num_kvcache_blocks=96, kvcache_block_size=16)
 USER = [{"role": "user", "content": "Why is the sky blue?"}]
-THINK_BIAS, SEED = 3.5, 5  # this seed closes its thinking after 5 tokens
-ANSWER = {
-    "type": "object",
-    "properties": {
-        "answer": {"enum": ["yes", "no"]},
-        "level": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["answer", "level"],
-}
 WEATHER = {
     "type": "function",
     "function": {

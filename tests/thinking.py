@@ -7,6 +7,19 @@ the system turn, tool calls and results, earlier turns' thinking dropped, and th
 import shutil
 from pathlib import Path
 
+# A JSON schema for the answer after the thinking.
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "level"],
+}
+# Random weights never close their thinking by themselves: a bias on </think> makes the seeded
+# sample do so after a few tokens (5 with this seed).
+THINK_BIAS, SEED = 3.5, 5
+
 # Modelled on Qwen3's chat template (Qwen/Qwen3-0.6B's tokenizer_config.json), in the tiny
 # tokenizer's markers: the same branches, shorter words.
 QWEN3_TEMPLATE = """

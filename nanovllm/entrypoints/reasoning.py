@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.entrypoints.responses import with_choice_state
 from nanovllm.sampling_params import SamplingParams
 
 START, END = "<think>", "</think>"
@@ -108,14 +109,11 @@ class Reasoning:
         reasoning_content / reasoning and content deltas (one chunk may carry both, where the
         thinking ends inside it); a chunk left with nothing to say is dropped unless it carries
         logprobs or the end."""
-        splitters: dict[int, ThinkingSplitter] = {}
-        async for chunk in chunks:
-            choices = chunk.get("choices")
-            if not choices or "role" in choices[0]["delta"]:
+        async for chunk, splitter in with_choice_state(chunks, self.splitter):
+            if splitter is None:
                 yield chunk
                 continue
-            choice = choices[0]
-            splitter = splitters.setdefault(choice["index"], self.splitter())
+            choice = chunk["choices"][0]
             reasoning, content = splitter.feed(choice["delta"].get("content", ""))
             if choice["finish_reason"] is not None:
                 rest_reasoning, rest_content = splitter.finish()

@@ -7,11 +7,13 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple, TypeVar
 
 from nanovllm.engine.async_engine import Delta
 from nanovllm.outputs import Logprob
+
+State = TypeVar("State")
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
 Decode = Callable[[int], str]  # a token id -> its text
@@ -191,3 +193,18 @@ def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
         (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
         key=lambda lp: lp.rank,
     )
+
+
+async def with_choice_state(
+    chunks: AsyncIterator[dict], new_state: Callable[[], State]
+) -> AsyncIterator[tuple[dict, State | None]]:
+    """A chat stream's chunks, each with its choice's state (made by new_state() at the choice's
+    first text): what rewrites a stream choice by choice (reasoning.py, tools.py) reads it. A
+    choice's opening chunk (its role) and the usage chunk come with None: they pass as they are."""
+    states: dict[int, State] = {}
+    async for chunk in chunks:
+        choices = chunk.get("choices")
+        if not choices or "role" in choices[0]["delta"]:
+            yield chunk, None
+        else:
+            yield chunk, states.setdefault(choices[0]["index"], new_state())

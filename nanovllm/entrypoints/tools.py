@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nanovllm.engine.async_engine import Delta
+from nanovllm.entrypoints.responses import with_choice_state
 from nanovllm.structured import StructuredOutputsParams
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -96,14 +97,11 @@ class ToolCalling:
         """A chat stream's chunks with each choice's text read as tool calls: `content` deltas
         become `tool_calls` deltas (the first of a call with its id and name, then pieces of
         its arguments), and the last chunk's finish_reason "tool_calls" if it called any."""
-        parsers: dict[int, ToolParser] = {}
-        async for chunk in chunks:
-            choices = chunk.get("choices")
-            if not choices or "role" in choices[0]["delta"]:
+        async for chunk, parser in with_choice_state(chunks, self.parser):
+            if parser is None:
                 yield chunk
                 continue
-            choice = choices[0]
-            parser = parsers.setdefault(choice["index"], self.parser())
+            choice = chunk["choices"][0]
             text = choice["delta"].get("content")
             deltas = parser.feed(text) if text else []
             if choice["finish_reason"] is not None:
