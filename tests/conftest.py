@@ -114,6 +114,19 @@ def thinking_checkpoint(checkpoints, tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def wide_checkpoint(tmp_path_factory) -> Path:
+    """A random checkpoint wider than the others (hidden 256, 4 layers), so that a few streams
+    of a thousand tokens take the server seconds: the drain and fleet tests need requests in
+    flight when a replica is signalled."""
+    from nanovllm.demo import build_tiny_qwen3
+
+    path = tmp_path_factory.mktemp("wide") / "wide"
+    return build_tiny_qwen3(
+        path, hidden_size=256, num_layers=4, intermediate_size=1024, head_dim=32
+    )
+
+
 @cache
 def hf_model(path: str):
     import torch

@@ -15,22 +15,11 @@ import openai
 import pytest
 from serving import engine_flags, live_processes, running_server
 
-from nanovllm.demo import build_tiny_qwen3
-
 NAME = "tiny"
-# A model wider than the test checkpoints, so that 8 streams of 1,000 tokens take seconds.
 ENGINE = dict(device="cpu", max_model_len=1024, num_kvcache_blocks=600, kvcache_block_size=16)
 LONG = dict(model=NAME, prompt="x", max_tokens=1000, stream=True, extra_body={"ignore_eos": True})
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def slow_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("drain") / "wide"
-    return build_tiny_qwen3(
-        path, hidden_size=256, num_layers=4, intermediate_size=1024, head_dim=32
-    )
 
 
 def serve(checkpoint, timeout_s: int):
@@ -80,8 +69,8 @@ def wait_exit(proc, within_s: float) -> int:
     return code
 
 
-def test_sigterm_drains_what_is_in_flight_refusing_the_rest(slow_checkpoint):
-    with serve(slow_checkpoint, timeout_s=60) as running, client_of(running) as client:
+def test_sigterm_drains_what_is_in_flight_refusing_the_rest(wide_checkpoint):
+    with serve(wide_checkpoint, timeout_s=60) as running, client_of(running) as client:
         sock, rest = half_sent(running.port)
         stream = client.completions.create(**LONG, stream_options={"include_usage": True})
         first = [chunk for _, chunk in zip(range(3), stream)]
@@ -110,8 +99,8 @@ def test_sigterm_drains_what_is_in_flight_refusing_the_rest(slow_checkpoint):
         assert live_processes(running.proc.pid) == []
 
 
-def test_the_timeout_aborts_what_is_left_and_exits_0(slow_checkpoint):
-    with serve(slow_checkpoint, timeout_s=1) as running, client_of(running) as client:
+def test_the_timeout_aborts_what_is_left_and_exits_0(wide_checkpoint):
+    with serve(wide_checkpoint, timeout_s=1) as running, client_of(running) as client:
         stream = client.completions.create(**{**LONG, "n": 8})
         next(iter(stream))
         offset = running.log_size()
@@ -124,8 +113,8 @@ def test_the_timeout_aborts_what_is_left_and_exits_0(slow_checkpoint):
         assert "--shutdown-timeout (1s) reached" in log and "Traceback" not in log
 
 
-def test_a_second_sigterm_aborts_at_once(slow_checkpoint):
-    with serve(slow_checkpoint, timeout_s=600) as running, client_of(running) as client:
+def test_a_second_sigterm_aborts_at_once(wide_checkpoint):
+    with serve(wide_checkpoint, timeout_s=600) as running, client_of(running) as client:
         stream = client.completions.create(**{**LONG, "n": 8})
         next(iter(stream))
         running.proc.send_signal(signal.SIGTERM)

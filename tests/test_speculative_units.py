@@ -336,7 +336,12 @@ def test_the_server_exports_vllms_spec_decode_counters():
 
     spec = SpecDecodeStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=9)
     assert (spec.acceptance_rate, spec.mean_acceptance_length) == (0.75, 3.25)
-    front = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0)
+    front = SimpleNamespace(
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+        num_prefix_cache_queries=0,
+        num_prefix_cache_hits=0,
+    )
     front.stats = EngineStats(0, 0, 0.0, spec)
     figures = {m.name: m.samples[0].value for m in EngineMetrics(front, "m").collect()}
     assert figures["nanovllm:spec_decode_num_drafts"] == 4
