@@ -3,6 +3,13 @@ alternating: single-stream prefill and decode tok/s (llama-bench's pp and tg), a
 throughput (llama-batched-bench's S_TG).
 
     python benchmarks/llamacpp.py --llama-cpp ~/src/llama.cpp --preset qwen3-0.6b --threads 1
+    python benchmarks/llamacpp.py --llama-cpp ~/src/llama.cpp --formats int4 --rounds 2
+
+--formats picks the pairs: f32 (float32 in both), int8 (nanovllm's int8 against llama.cpp's q8_0)
+and int4: llama.cpp's Q4_0 and Q4_K_M files (llama-quantize's, from its f32 file) against
+nanovllm's own int4 (quantization="int4") and nanovllm reading those very files (a GGUF's Q4_0
+and Q4_K tensors run our int4 kernel; the Q6_K ones llama-quantize leaves in a file are
+dequantized to float at load).
 
 It builds nothing of llama.cpp: give it a llama.cpp source tree whose binaries are built
 (`--llama-cpp DIR`: DIR/convert_hf_to_gguf.py and DIR/build/bin/llama-bench, or --llama-bin) and a
@@ -12,7 +19,7 @@ transformers, safetensors). One way to get them, as docs/benchmarks.md says:
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
     cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DGGML_NATIVE=ON \\
         -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
-    cmake --build build -j --target llama-bench llama-batched-bench
+    cmake --build build -j --target llama-bench llama-batched-bench llama-quantize
 
 The checkpoint (config of the preset, weights drawn by transformers, a small byte-level BPE
 tokenizer: the runs feed token ids) and its GGUF files (f32, and q8_0 beside int8) are cached under
@@ -84,6 +91,17 @@ def gguf(ckpt: Path, outtype: str, llama_cpp: Path, python: str) -> Path:
     return out
 
 
+def quantized_gguf(f32: Path, kind: str, bin_dir: Path) -> Path:
+    """llama-quantize's `kind` (Q4_0, Q4_K_M) of the f32 file, once; alone in a folder of its
+    own (nanovllm takes the file's path)."""
+    out = f32.with_name(f"{f32.stem}-{kind}") / "model.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [str(bin_dir / "llama-quantize"), str(f32), str(out), kind]
+        subprocess.run(cmd, check=True, capture_output=True)
+    return out
+
+
 def in_group(cmd: list[str], timeout: float) -> str:
     """`cmd`'s stdout, run in a process group of its own that is killed afterwards."""
     from benchmarks.compare import kill_group
@@ -125,7 +143,8 @@ def llama_batched(bin_dir: Path, model: Path, args) -> dict:
 
 
 def nanovllm_run(ckpt: Path, args, quantization: str | None) -> dict:
-    """One engine in a process of its own (this script with --child)."""
+    """One engine in a process of its own (this script with --child); `ckpt` a checkpoint
+    folder or a GGUF file."""
     cmd = [sys.executable, __file__, "--child", str(ckpt), "--threads", str(args.threads)]
     cmd += ["--prompt", str(args.prompt), "--gen", str(args.gen), "--batch", str(args.batch)]
     if quantization:
@@ -211,6 +230,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--quantization", default=None)
     p.add_argument(
+        "--formats", default="f32,int8", help="pairs to run: f32, int8, int4 (default: f32,int8)"
+    )
+    p.add_argument(
         "--cpu-decode-step",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -222,16 +244,23 @@ def main() -> None:
         return child(args)
     bin_dir = args.llama_bin or args.llama_cpp / "build" / "bin"
     ckpt = checkpoint(args.preset)
-    engines = {  # name -> (runner, weight format)
-        "llama.cpp f32": lambda: llama_runs(
-            bin_dir, gguf(ckpt, "f32", args.llama_cpp, args.gguf_python), args
-        ),
-        "nanovllm f32": lambda: nanovllm_run(ckpt, args, None),
-        "llama.cpp q8_0": lambda: llama_runs(
-            bin_dir, gguf(ckpt, "q8_0", args.llama_cpp, args.gguf_python), args
-        ),
-        "nanovllm int8": lambda: nanovllm_run(ckpt, args, "int8"),
-    }
+    engines = {}  # name -> its run, every round
+    formats = args.formats.split(",")
+    if "f32" in formats or "int4" in formats:
+        f32 = gguf(ckpt, "f32", args.llama_cpp, args.gguf_python)
+    if "f32" in formats:
+        engines["llama.cpp f32"] = lambda: llama_runs(bin_dir, f32, args)
+        engines["nanovllm f32"] = lambda: nanovllm_run(ckpt, args, None)
+    if "int8" in formats or "int4" in formats:
+        q8_0 = gguf(ckpt, "q8_0", args.llama_cpp, args.gguf_python)
+        engines["llama.cpp q8_0"] = lambda: llama_runs(bin_dir, q8_0, args)
+        engines["nanovllm int8"] = lambda: nanovllm_run(ckpt, args, "int8")
+    if "int4" in formats:
+        files = {kind: quantized_gguf(f32, kind, bin_dir) for kind in ("Q4_0", "Q4_K_M")}
+        engines["nanovllm int4"] = lambda: nanovllm_run(ckpt, args, "int4")
+        for kind, file in files.items():
+            engines[f"llama.cpp {kind}"] = lambda file=file: llama_runs(bin_dir, file, args)
+            engines[f"nanovllm {kind}"] = lambda file=file: nanovllm_run(file, args, None)
     print(
         f"CPU: {machine_line()}; {args.preset}, {args.threads} thread(s), prompt {args.prompt}, "
         f"{args.gen} generated, batch {args.batch}"
@@ -260,12 +289,24 @@ def report(results: dict[str, list[dict]]) -> None:
         n: {f: statistics.median(r[f] for r in runs) for f in figures}
         for n, runs in results.items()
     }
-    print(f"{'engine':<16}" + "".join(f"{f:>22}" for f in figures) + "   (medians of the rounds)")
+    print(f"{'engine':<20}" + "".join(f"{f:>22}" for f in figures) + "   (medians of the rounds)")
     for name, m in medians.items():
-        print(f"{name:<16}" + "".join(f"{m[f]:>22.1f}" for f in figures))
-    for ours, theirs in (("nanovllm f32", "llama.cpp f32"), ("nanovllm int8", "llama.cpp q8_0")):
-        ratios = "".join(f"{medians[ours][f] / medians[theirs][f]:>21.2f}x" for f in figures)
-        print(f"{ours + ' / ' + theirs.split()[1]:<16}{ratios}")
+        print(f"{name:<20}" + "".join(f"{m[f]:>22.1f}" for f in figures))
+    for ours, theirs in RATIOS:
+        if ours in medians and theirs in medians:
+            ratios = "".join(f"{medians[ours][f] / medians[theirs][f]:>21.2f}x" for f in figures)
+            print(f"{ours.removeprefix('nanovllm ')} / {theirs:<24}{ratios}")
+
+
+RATIOS = (  # (ours, theirs): the lines of ratios under the table
+    ("nanovllm f32", "llama.cpp f32"),
+    ("nanovllm int8", "llama.cpp q8_0"),
+    ("nanovllm int4", "llama.cpp Q4_0"),
+    ("nanovllm int4", "llama.cpp Q4_K_M"),
+    ("nanovllm Q4_0", "llama.cpp Q4_0"),
+    ("nanovllm Q4_K_M", "llama.cpp Q4_K_M"),
+    ("nanovllm int4", "nanovllm int8"),
+)
 
 
 if __name__ == "__main__":
