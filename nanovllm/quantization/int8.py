@@ -44,9 +44,12 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.max_rows or x.dtype not in cpu_int8.DTYPES:
-            weight = cpu_int8.dequantize(self.dense_qweight(), self.scale).to(x.dtype)
-            return F.linear(x, weight, bias)
+            return F.linear(x, self.dequantize().to(x.dtype), bias)
         return cpu_int8.linear(self.library, x, self.qweight, self.scale, self.out_features, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] it stands for."""
+        return cpu_int8.dequantize(self.dense_qweight(), self.scale)
 
     def dense_qweight(self) -> torch.Tensor:
         """[N, K] int8, from the kernel's panels [ceil(N / 64), K, 64] where it has them."""
