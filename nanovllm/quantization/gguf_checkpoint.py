@@ -11,11 +11,13 @@ package reads the file (pip install 'nano-vllm[gguf]'); the kernels are ours:
 are int4.py's format with groups of 32 (scale, offset: d and -8 d; d sc and -dmin m, products
 in float32 as ggml forms them), loaded without a float copy of the values (loading.py); a layer
 whose parts are all of these types runs the int4 kernel. F32, F16 and BF16 tensors load as
-they are; every other type (Q8_0, Q6_K, ... : the LM head and some v and down projections of a
-Q4_K_M file) is dequantized to float32 at load by gguf-py, with one warning naming the types;
-so are a quantized token embedding (a lookup reads rows) and a fused layer whose parts mix
-types. llama.cpp's converter permutes Llama's (and Mistral's) q and k rows for its rotary
-layout: they are permuted back, rows of 4-bit values as rows of floats.
+they are. A linear layer of every other type (Q8_0, Q6_K, ...: some v and down projections of a
+Q4_K_M file), or whose fused parts mix types, is dequantized by gguf-py and requantized to int8
+per output channel (quantization/int8.py: a byte a weight, its values within half an int8 step
+of the file's), one line saying so; so is an LM head tied to a quantized token embedding (the
+embedding's lookups keep a float32 copy). llama.cpp's converter permutes Llama's (and
+Mistral's) q and k rows for its rotary layout: they are permuted back, rows of 4-bit values as
+rows of floats.
 """
 
 import logging
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.linear import FormattedWeight
 from nanovllm.models.loader import expected_tensors
 from nanovllm.quantization.loading import Int4Tensors, load_layers
 
@@ -75,31 +77,59 @@ def load_gguf(model: nn.Module, path: str, hf_config: PretrainedConfig) -> int:
     tensors = {t.name: t for t in reader.tensors}
     _check_names(path, ours, tensors)
     int4 = _int4_parameters(model, expected, ours, tensors)
-    dequantized: Counter[str] = Counter()
+    int8: set[str] = set()  # linear weights of the other quantized types
+    kinds: Counter[str] = Counter()
 
     def read(name: str) -> torch.Tensor | Int4Tensors:
-        tensor = tensors[ours[name]]
+        tensor, param_name = tensors[ours[name]], expected[name][0]
         heads = _permuted_heads(arch, name, hf_config)
-        if expected[name][0] in int4:
+        if param_name in int4:
             value = unpack(tensor)
             if heads:
                 value = Int4Tensors(*(_unpermute(t, heads) for t in value[:3]), value.group_size)
             return value
-        if tensor.tensor_type not in FLOAT_TYPES and _is_linear(model, expected[name][0]):
-            dequantized[tensor.tensor_type.name] += 1
+        if tensor.tensor_type not in FLOAT_TYPES and _is_linear(model, param_name):
+            int8.add(param_name)
+            kinds[tensor.tensor_type.name] += 1
         weight = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
         weight = weight.float().reshape(_shape(tensor))
         return _unpermute(weight, heads) if heads else weight
 
     count = load_layers(model, expected, read)
-    if dequantized:
-        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(dequantized.items()))
-        logging.getLogger("nanovllm").warning(
-            "GGUF: linear weights dequantized to float32 at load (no kernel of ours reads "
-            "their type): %s",
-            kinds,
+    head = _tied_quantized_head(model, tensors)
+    if int8 or head is not None:
+        _requantize_int8(model, int8, head)
+        what = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        if head is not None:
+            what += f"{', ' if what else ''}the LM head (the {head} token_embd it shares)"
+        logging.getLogger("nanovllm").info(
+            "GGUF: %s requantized to int8 per output channel (no kernel of ours reads their type)",
+            what,
         )
     return count
+
+
+def _tied_quantized_head(model: nn.Module, tensors: dict) -> str | None:
+    """The type of the token embedding an LM head shares, if it is quantized: the head then
+    reads int8 rather than the float copy the lookups need."""
+    embedding = tensors.get("token_embd.weight")
+    if "output.weight" in tensors or embedding is None or embedding.tensor_type in FLOAT_TYPES:
+        return None
+    return embedding.tensor_type.name
+
+
+def _requantize_int8(model: nn.Module, params: set[str], head: str | None) -> None:
+    """The layers whose GGUF type has no kernel of ours (Q8_0, Q6_K, ...), dequantized at load,
+    read int8 weights per output channel (quantization/int8.py), as does a head tied to a
+    quantized embedding (its own copy: the lookups keep the float one)."""
+    from nanovllm.quantization.int8 import Int8Weight
+
+    for name in sorted(params):
+        module = model.get_submodule(name.rpartition(".")[0])
+        module.set_weight_format(Int8Weight(module.weight.detach()), keep_weight=False)
+    if head is not None:
+        lm_head = model.get_submodule("lm_head")
+        lm_head.set_weight_format(Int8Weight(lm_head.weight.detach()), keep_weight=True)
 
 
 # -- Q4_0 and Q4_K into int4.py's format --------------------------------------------------------
@@ -176,9 +206,9 @@ def _int4_parameters(model: nn.Module, expected: dict, ours: dict, tensors: dict
 
 
 def _is_linear(model: nn.Module, param_name: str) -> bool:
-    """A linear layer's weight (not its bias, not an embedding's or a norm's)."""
+    """A linear layer's weight, the LM head's too (not a bias, an embedding's or a norm's)."""
     module = model.get_submodule(param_name.rpartition(".")[0])
-    return param_name.endswith(".weight") and isinstance(module, LinearBase)
+    return param_name.endswith(".weight") and isinstance(module, FormattedWeight)
 
 
 def _shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nanovllm.layers.linear import LinearBase, default_weight_loader
+from nanovllm.layers.linear import FormattedWeight, default_weight_loader
 
 
 class Int4Tensors(NamedTuple):
@@ -47,7 +47,7 @@ def load_layers(model: nn.Module, expected: dict[str, tuple[str, object]], read:
                 loader(param, value, shard_id)
                 continue
             module = model.get_submodule(param_name.rpartition(".")[0])
-            if not isinstance(module, LinearBase):  # e.g. Qwen3-MoE's experts
+            if not isinstance(module, FormattedWeight):  # e.g. Qwen3-MoE's experts
                 raise ValueError(
                     f"a {type(module).__name__}'s weights cannot load in 4 bits; only linear "
                     "layers' can"
