@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULING_POLICIES = ("mixed", "prefill_first")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size")
 
 
@@ -42,7 +42,7 @@ class Config:
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
     cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (platforms/cpu/)
     cpu_decode_step: bool = True  # a CPU decodes in one native call (platforms/cpu/decode_step.py)
-    quantization: str | None = None  # "int8": weights quantized at load (quantization/)
+    quantization: str | None = None  # "int8", "int4": weights quantized at load (quantization/)
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
