@@ -34,9 +34,9 @@
 // 2^-124 at the least), the products and their sums are exact, and a block adds 4-5 roundings.
 // The weights are never widened to floats: per 64 weights of a row, 6 dot-product instructions
 // (2 x 3 digits) and 3 of unpacking shared by the tile's rows. At M = 1 that ran 74 G weights/s
-// (6144 x 1024, in L3, 1 thread, AMD EPYC Zen 4) against 30 for nibbles turned into floats for
-// FMAs, 37 for bfloat16 dot products with x split exactly into three bfloat16 parts, and
-// cpu_int8.cpp's 28.
+// (6144 x 1024, in L3, 1 thread, AMD EPYC Zen 4; a stand-alone microbenchmark of the inner loops,
+// not kept) against 30 for nibbles turned into floats for FMAs, 37 for bfloat16 dot products
+// with x split exactly into three bfloat16 parts, and cpu_int8.cpp's loop 28.
 //
 // The work is GEMM's register tiling, as cpu_int8.cpp's: a tile is MR rows of x by NV vectors of
 // channels, 3 MR NV integer sums in registers over a block; each line's nibbles are unpacked once
