@@ -301,3 +301,15 @@ def test_a_layer_takes_the_largest_group_size_dividing_its_inputs():
     assert layer_group_size("a", 96, 128) == 32
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj: in_features 48"):
         layer_group_size("model.layers.0.mlp.down_proj", 48, 128)
+
+
+def test_without_the_kernel_int4_weights_run_dequantized_through_f_linear(monkeypatch):
+    """Where cpu_int4 cannot be built (no compiler): the canonical tensors are kept, every call
+    is F.linear on the dequantized weight, and the native step is not offered the layer."""
+    monkeypatch.setattr(cpu_int4, "load", lambda: None)
+    g = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(70, 64, generator=g), torch.randn(3, 64, generator=g)
+    layer = Int4Weight.from_float(weight, 32)
+    assert layer.packed is None and layer.native_linear(None) is None
+    expected = torch.nn.functional.linear(x, cpu_int4.dequantize(*layer.canonical(), 32))
+    assert torch.equal(layer.linear(x, None), expected)
