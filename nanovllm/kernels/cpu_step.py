@@ -1,12 +1,11 @@
 """A dense decoder's decode step in one native call on a CPU (cpu_step.cpp), and the float32 GEMM
 of a few rows it runs (`f32_linear`; also every packed CPU linear's single row, `packed_linear`).
 The step calls RMSNorm and rotary (cpu_ops.cpp), paged decode attention (cpu_decode.cpp) and, for
-int8 or int4 weights, their GEMM (cpu_int8.cpp, cpu_int4.cpp) through those libraries' own
-functions, so it computes
-what the eager layers compute with them; only its float32 GEMMs sum in another order than
-F.linear's. Built at first
-use and loaded with ctypes (kernels/cpu_build.py); `load()` is None, with one warning, where
-it cannot be, and `usable()` is False where one of the libraries the step calls cannot be.
+int8 or int4 weights, their GEMMs (cpu_int8.cpp, cpu_int4.cpp) through those libraries' own
+functions, so it computes what the eager layers compute with them; only its float32 GEMMs sum in
+another order than F.linear's. Built at first use and loaded with ctypes (kernels/cpu_build.py);
+`load()` is None, with one warning, where it cannot be, and `usable()` is False where one of the
+libraries the step calls cannot be.
 
     step = DecoderStep(library, shape, embed, final_norm, rope, layers)
     hidden = step(input_ids, positions, slot_mapping, block_tables, context_lens)
