@@ -45,6 +45,7 @@ BLOCK = 64  # output channels a panel (cpu_int4.cpp's BLOCK)
 LINE = 256  # bytes of a panel's 8 input channels (cpu_int4.cpp's LINE)
 SCALES = 8 * BLOCK  # bytes of a group's scales and offsets, before its lines
 DTYPES = (torch.float32, torch.bfloat16)
+QUANTIZE_CHUNK = 1 << 22  # weights quantize() rounds at a time (an LM head: 155 M in Qwen3-0.6B)
 _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
 
@@ -103,12 +104,16 @@ def quantize(
         raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
     n, k = weight.shape
     check_group_size(group_size, k)
-    w = weight.detach().float().view(n, k // group_size, group_size)
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
     offset = w.amin(dim=2) if k else w.new_zeros(n, 0)
     top = w.amax(dim=2) if k else w.new_zeros(n, 0)
     scale = ((top.double() - offset.double()) / 15).float()  # offset is a float32 weight: exact
-    steps = (w.double() - offset.double()[..., None]) / scale.double().clamp_min(1e-300)[..., None]
-    q = torch.round(steps).clamp_(0, 15).to(torch.uint8).view(n, k)
+    q = torch.empty(n, k, dtype=torch.uint8)
+    rows = max(1, QUANTIZE_CHUNK // max(k, 1))  # float64 temporaries of a few rows at a time
+    for r in range(0, n, rows):
+        step = scale[r : r + rows].double().clamp_min(1e-300)[..., None]
+        steps = (w[r : r + rows].double() - offset[r : r + rows].double()[..., None]) / step
+        q[r : r + rows] = torch.round(steps).clamp_(0, 15).view(q[r : r + rows].shape)
     return q, scale, offset
 
 
