@@ -389,8 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=("int8",),
-        help="nanovllm's weights quantized at load (int8: a CPU's; default none)",
+        choices=("int8", "int4"),
+        help="nanovllm's weights quantized at load (int8, int4: a CPU's; default none)",
     )
     p.add_argument(
         "--contend",

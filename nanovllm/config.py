@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULING_POLICIES = ("mixed", "prefill_first")
 PUBLISHED_QUANTIZATIONS = ("gptq", "awq", "gguf")  # as the checkpoint has them
-QUANTIZATIONS = ("int8", *PUBLISHED_QUANTIZATIONS)
+QUANTIZATIONS = ("int8", "int4", *PUBLISHED_QUANTIZATIONS)
 AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size")
 
 
@@ -43,7 +43,7 @@ class Config:
     cpu_kvcache_space_gib: float = 4.0  # KV-cache budget on the CPU
     cpu_threads: int = 0  # intra-op threads on a CPU; 0: from the CPU quota (platforms/cpu/)
     cpu_decode_step: bool = True  # a CPU decodes in one native call (platforms/cpu/decode_step.py)
-    quantization: str | None = None  # "int8": quantized at load; "gptq", "awq": published so
+    quantization: str | None = None  # "int8", "int4": at load; "gptq", "awq", "gguf": published so
     scheduling_policy: str = "mixed"  # decode first; "prefill_first": nano-vLLM's
     async_scheduling: bool = False  # schedule step n+1 while step n runs (one rank only)
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
@@ -106,13 +106,15 @@ class Config:
                 raise ImportError(
                     f"a GGUF file needs the gguf package: pip install 'nano-vllm[gguf]' ({e})"
                 ) from None
-            self.hf_config = gguf_config(self.model, self.gguf_file)
-            self.quantization = gguf_quantization(self.quantization)
+            self.hf_config = gguf_config(self.model, self.gguf_file, self.quantization)
+            self.quantization = "gguf"
         else:
             self.hf_config = AutoConfig.from_pretrained(self.model)
-            self.quantization = checkpoint_quantization(
-                self.model, self.hf_config, self.quantization
-            )
+            asked = self.quantization
+            if asked in PUBLISHED_QUANTIZATIONS or is_published(self.model, self.hf_config):
+                from nanovllm.quantization.published import published_method
+
+                self.quantization = published_method(self.model, self.hf_config, asked)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         check_model_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
 
@@ -158,44 +160,13 @@ def find_gguf_file(model: str) -> tuple[str, str] | None:
     return (model, files[0]) if files else None
 
 
-def gguf_quantization(asked: str | None) -> str:
-    if asked not in (None, "gguf"):
-        raise ValueError(
-            f"a GGUF file's weights are quantized as the file has them; quantization={asked!r} "
-            "cannot apply (pass quantization='gguf' or none)"
-        )
-    return "gguf"
-
-
-def checkpoint_quantization(
-    model: str, hf_config: PretrainedConfig, asked: str | None
-) -> str | None:
-    """`quantization` as the checkpoint has it: "gptq" or "awq" for a checkpoint published so
-    (its quantization_config, or AutoGPTQ's / AutoAWQ's file beside config.json, read by
-    quantization/published.py, imported only then), else what was asked."""
+def is_published(model: str, hf_config: PretrainedConfig) -> bool:
+    """The checkpoint says it is quantized: a quantization_config in config.json, or AutoGPTQ's
+    or AutoAWQ's file beside it (quantization/published.py reads them)."""
     files = ("quantize_config.json", "quant_config.json")
-    quantized = getattr(hf_config, "quantization_config", None) is not None or any(
+    return getattr(hf_config, "quantization_config", None) is not None or any(
         os.path.isfile(os.path.join(model, name)) for name in files
     )
-    if not quantized and asked not in PUBLISHED_QUANTIZATIONS:
-        return asked
-    from nanovllm.quantization.published import find_quantization_config, read_scheme
-
-    config = find_quantization_config(model, hf_config)
-    if config is None:
-        if asked in PUBLISHED_QUANTIZATIONS:
-            raise ValueError(
-                f"quantization={asked!r} needs a checkpoint published so (a GGUF file, or a "
-                f"quantization_config in config.json); {model!r} is not"
-            )
-        return asked
-    method = read_scheme(config).method
-    if asked not in (None, method):
-        raise ValueError(
-            f"the checkpoint is quantized with {method}; quantization={asked!r} cannot apply "
-            f"(pass quantization={method!r} or none)"
-        )
-    return method
 
 
 def check_model_config(hf_config: PretrainedConfig, tp_size: int, max_model_len: int) -> None:

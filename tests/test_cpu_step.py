@@ -1,17 +1,18 @@
 """The CPU's native decode step (platforms/cpu/decode_step.py, kernels/cpu_step.cpp): its
 float32 GEMM against a float64 reference, and the engine with it against transformers' greedy
-tokens and against the eager engine's logprobs, for every dense family, float32 and int8
-weights."""
+tokens and against the eager engine's logprobs, for every dense family, float32, int8 and int4
+weights (and a model mixing int8 and int4 layers); a weight format it cannot read keeps it off."""
 
 import pytest
 import torch
 from conftest import hf_greedy, native_library
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels import cpu_int8, cpu_step
+from nanovllm.kernels import cpu_int4, cpu_int8, cpu_step
 from nanovllm.platforms.cpu.decode_step import (
     F32_MAX_ROWS,
     F32_MAX_ROWS_CACHED,
+    INT4_MAX_ROWS,
     INT8_MAX_ROWS,
     NativeDecodeStep,
     f32_max_rows,
@@ -52,7 +53,7 @@ def _generate(path, prompts, params, **kwargs):
 PROMPTS = [list(range(3, 3 + n)) for n in (4, 11, 23)]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_the_native_step_decodes_as_the_eager_model(families, quantization):
     """Every dense family: greedy tokens and logprobs equal the eager engine's (their GEMMs sum
     in another order: within 1e-4), batches of 1 to 3 rows; float32 tokens equal transformers'."""
@@ -91,13 +92,18 @@ def test_larger_batches_and_other_dtypes_run_the_eager_model(checkpoints):
         small = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
         assert calls == [1, 1]  # the two decode steps after the prefill
     assert big[0].outputs[0].token_ids == small[0].outputs[0].token_ids
-    # int8 weights run the same GEMM kernel either way: the step takes larger batches
-    if cpu_int8.load() is not None:
-        with LLM(str(path), device="cpu", dtype="float32", quantization="int8") as llm:
+    # int8 and int4 weights run the same GEMM kernel either way: the step takes larger batches
+    for method, limit, kernel in (
+        ("int8", INT8_MAX_ROWS, cpu_int8),
+        ("int4", INT4_MAX_ROWS, cpu_int4),
+    ):
+        if kernel.load() is None:
+            continue
+        with LLM(str(path), device="cpu", dtype="float32", quantization=method) as llm:
             step = llm.model_runner.fast_decode
-            assert step.can_run(INT8_MAX_ROWS) and not step.can_run(INT8_MAX_ROWS + 1)
-        int8 = dict(dtype="float32", quantization="int8", enforce_eager=True)
-        with LLM(str(path), device="cpu", **int8) as llm:
+            assert step.can_run(limit) and not step.can_run(limit + 1)
+        quantized = dict(dtype="float32", quantization=method, enforce_eager=True)
+        with LLM(str(path), device="cpu", **quantized) as llm:
             assert llm.model_runner.fast_decode is None
     # half precision runs the eager model; so do enforce_eager and cpu_decode_step=False
     with LLM(str(path), device="cpu", dtype="bfloat16") as llm:
@@ -124,3 +130,47 @@ def test_a_model_whose_layers_stream_from_memory_takes_fewer_float32_rows(tmp_pa
 def test_cpu_decode_step_must_be_a_bool(checkpoints):
     with pytest.raises(TypeError, match="cpu_decode_step"):
         LLM(str(checkpoints["gqa"]), device="cpu", cpu_decode_step="yes")
+
+
+def test_layers_of_int8_and_int4_weights_mixed_run_the_step_as_the_eager_model(
+    checkpoints, monkeypatch
+):
+    """A quantized checkpoint may mix formats (GGUF's Q4_K_M: int4 and int8 tensors): each
+    linear runs its own kernel in the step, which decodes as the eager model; its row limit is
+    the least of its kinds'."""
+    from nanovllm.quantization import int4
+    from nanovllm.quantization.int8 import Int8Weight
+
+    native_library(cpu_step.load)
+    made = []
+
+    def int8_for_o_and_down(weight, group_size):  # [64, in]: o_proj, down_proj
+        made.append(weight.shape[0] <= 64)
+        if made[-1]:
+            return Int8Weight(weight)
+        return int4.Int4Weight(*cpu_int4.quantize(weight, group_size), group_size)
+
+    monkeypatch.setattr(int4.Int4Weight, "from_float", staticmethod(int8_for_o_and_down))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    kwargs = dict(dtype="float32", quantization="int4")
+    runner, native = _generate(checkpoints["gqa"], PROMPTS, params, **kwargs)
+    assert isinstance(runner, NativeDecodeStep) and runner.max_rows == min(
+        INT8_MAX_ROWS, INT4_MAX_ROWS
+    )
+    _, eager = _generate(checkpoints["gqa"], PROMPTS, params, enforce_eager=True, **kwargs)
+    assert any(made) and not all(made)
+    for a, b in zip(native, eager):
+        assert a.token_ids == b.token_ids
+        for x, y, token in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(x[token].logprob - y[token].logprob) < 1e-4
+
+
+def test_a_weight_format_the_step_cannot_read_keeps_it_off(checkpoints, monkeypatch):
+    """A format without native_linear (here int4's, hidden from it) leaves the decode to the
+    eager model."""
+    from nanovllm.quantization import int4
+
+    monkeypatch.delattr(int4.Int4Weight, "native_linear")
+    kwargs = dict(dtype="float32", quantization="int4")
+    with LLM(str(checkpoints["gqa"]), device="cpu", **kwargs) as llm:
+        assert llm.model_runner.fast_decode is None

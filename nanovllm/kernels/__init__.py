@@ -15,6 +15,8 @@ layouts it is given, naming the argument (kernels/layout.py).
     cpu_sample               (C++) the CPU's draw from softmax(logits), for sampling/ops.py;
                              the three C++ libraries built by cpu_build.py
     cpu_int8                 (C++) the CPU's int8 weight-only linear (W8A16), built there too
+    cpu_int4                 (C++) the CPU's group-quantized int4 weight-only linear (W4A16),
+                             integer dot products (VNNI); built there too
     torch_attention          (plain PyTorch) paged prefill and decode: the reference and the
                              `torch` backend's compute
 

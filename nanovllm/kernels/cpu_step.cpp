@@ -1,7 +1,7 @@
 // A dense decoder's decode step on a CPU in one call (kernels/cpu_step.py launches it): the
 // token embedding, every layer and the final RMSNorm for a few rows, as the eager model runs
 // them (models/decoder.py), with no PyTorch op between. What the eager layers call natively
-// (RMSNorm, rotary, paged decode attention, the int8 GEMM) it calls through the same
+// (RMSNorm, rotary, paged decode attention, the int8 and int4 GEMMs) it calls through the same
 // libraries' functions, handed over as pointers; what it adds is the float32 GEMM of a few rows
 // (`f32_linear`, also exported for the LM head), SwiGLU's gate and the KV-cache store.
 //
@@ -10,8 +10,9 @@
 //       h, residual = norm(a Wo^T (+ b) + residual);  x = (silu(g) * u)(h Wgu^T) Wd^T
 //   hidden = norm(x + residual)
 //
-// Float32 activations and KV cache; a linear's weight is float32 [N, K] row-major or int8
-// panels with per-channel scales (cpu_int8.cpp's layout).
+// Float32 activations and KV cache; a linear's weight is float32 [N, K] row-major, int8
+// panels with per-channel scales (cpu_int8.cpp's layout) or int4 panels with their groups'
+// scales and offsets (cpu_int4.cpp's).
 
 #include <cmath>
 #include <cstdint>
@@ -123,7 +124,7 @@ void f32_linear(const float* x, const float* w, const float* b, float* y, int64_
   }
 }
 
-// The other libraries' entry points (cpu_ops.cpp, cpu_decode.cpp, cpu_int8.cpp).
+// The other libraries' entry points (cpu_ops.cpp, cpu_decode.cpp, cpu_int8.cpp, cpu_int4.cpp).
 using RmsNorm = void (*)(const void*, int64_t, const void*, const void*, void*, void*, int64_t,
                          int, int, float, int, int, int);
 using Rotary = int64_t (*)(const int64_t*, const void*, int64_t, const void*, int64_t,
@@ -132,12 +133,15 @@ using PagedDecode = void (*)(const float*, const void*, const void*, float*, con
                              int64_t, const int32_t*, int, int, int, int, int, float, int, int);
 using Int8Linear = void (*)(const void*, int, const void*, const float*, const float*, float*,
                             int64_t, int64_t, int64_t, int);
+using Int4Linear = void (*)(const void*, int, const void*, const float*, float*, int64_t, int64_t,
+                            int64_t, int64_t, int);
 
 struct Linear {
-  const void* weight;  // float32 [out, in], or int8 panels when scale is set
+  const void* weight;  // float32 [out, in]; int8 panels when scale is set; int4 when group is
   const float* scale;
   const float* bias;  // or null
   int64_t out, in;
+  int64_t group;  // int4's group size, else 0
 };
 
 struct Layer {
@@ -158,11 +162,14 @@ struct Model {
   Rotary rotary;
   PagedDecode paged_decode;
   Int8Linear int8_linear;  // null when no weight is int8
+  Int4Linear int4_linear;  // null when no weight is int4
 };
 
 void linear(const Model& m, const Linear& l, const float* x, float* y, int64_t rows,
             int threads) {
-  if (l.scale != nullptr)
+  if (l.group > 0)
+    m.int4_linear(x, 0, l.weight, l.bias, y, rows, l.out, l.in, l.group, threads);
+  else if (l.scale != nullptr)
     m.int8_linear(x, 0, l.weight, l.scale, l.bias, y, rows, l.out, l.in, threads);
   else
     f32_linear(x, static_cast<const float*>(l.weight), l.bias, y, rows, l.out, l.in, threads);

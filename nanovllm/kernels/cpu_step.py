@@ -1,11 +1,11 @@
 """A dense decoder's decode step in one native call on a CPU (cpu_step.cpp), and the float32 GEMM
 of a few rows it runs (`f32_linear`; also every packed CPU linear's single row, `packed_linear`).
 The step calls RMSNorm and rotary (cpu_ops.cpp), paged decode attention (cpu_decode.cpp) and, for
-int8 weights, their GEMM (cpu_int8.cpp) through those libraries' own functions, so it computes
-what the eager layers compute with them; only its float32 GEMMs sum in another order than
-F.linear's. Built at first
-use and loaded with ctypes (kernels/cpu_build.py); `load()` is None, with one warning, where
-it cannot be, and `usable()` is False where one of the libraries the step calls cannot be.
+int8 or int4 weights, their GEMMs (cpu_int8.cpp, cpu_int4.cpp) through those libraries' own
+functions, so it computes what the eager layers compute with them; only its float32 GEMMs sum in
+another order than F.linear's. Built at first use and loaded with ctypes (kernels/cpu_build.py);
+`load()` is None, with one warning, where it cannot be, and `usable()` is False where one of the
+libraries the step calls cannot be.
 
     step = DecoderStep(library, shape, embed, final_norm, rope, layers)
     hidden = step(input_ids, positions, slot_mapping, block_tables, context_lens)
@@ -37,7 +37,14 @@ _INT, _I64, _PTR, _FLOAT = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _PTR), ("scale", _PTR), ("bias", _PTR), ("out", _I64), ("in_", _I64)]
+    _fields_ = [
+        ("weight", _PTR),
+        ("scale", _PTR),
+        ("bias", _PTR),
+        ("out", _I64),
+        ("in_", _I64),
+        ("group", _I64),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -59,7 +66,8 @@ class _Model(ctypes.Structure):
         *((name, _PTR) for name in ("embed", "final_norm", "rope")),
         ("max_position", _I64),
         ("layers", ctypes.POINTER(_Layer)),
-        *((name, _PTR) for name in ("rms_norm", "rotary", "paged_decode", "int8_linear")),
+        *((name, _PTR) for name in ("rms_norm", "rotary", "paged_decode")),
+        *((name, _PTR) for name in ("int8_linear", "int4_linear")),
     ]
 
 
@@ -117,13 +125,15 @@ def packed_linear(
 
 
 class Linear(NamedTuple):
-    """A linear layer's tensors: a float32 [N, K] weight, or int8 panels with their scales."""
+    """A linear layer's tensors: a float32 [N, K] weight, int8 panels with their scales, or
+    int4 panels (their scales and offsets inside) with their group size."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     scale: torch.Tensor | None = None  # int8 (cpu_int8.pack's panels) when set
     out_features: int = 0
     in_features: int = 0
+    group_size: int = 0  # int4 (cpu_int4.pack's panels) when set
 
 
 class Layer(NamedTuple):
@@ -157,6 +167,7 @@ def _linear(linear: Linear) -> _Linear:
         None if linear.bias is None else linear.bias.data_ptr(),
         out_features,
         in_features,
+        linear.group_size,
     )
 
 
@@ -165,8 +176,9 @@ def _address(library: ctypes.CDLL | None, name: str) -> int | None:
 
 
 class DecoderStep:
-    """The step over fixed tensors (every one float32 and contiguous but int8 panels, which
-    the caller checked); holds them so the addresses it gave the C++ stay valid."""
+    """The step over fixed tensors (every one float32 and contiguous but int8 and int4
+    panels, which the caller checked); holds them so the addresses it gave the C++ stay
+    valid."""
 
     def __init__(
         self,
@@ -179,7 +191,13 @@ class DecoderStep:
     ):
         self.library, self.tensors = library, (embed, final_norm, rope, layers)
         self.hidden = embed.shape[1]
-        int8 = any(linear.scale is not None for layer in layers for linear in layer[:4])
+        linears = [linear for layer in layers for linear in layer[:4]]
+        int8 = any(linear.scale is not None for linear in linears)
+        int4 = None
+        if any(linear.group_size > 0 for linear in linears):  # imported only with int4 weights
+            from nanovllm.kernels import cpu_int4
+
+            int4 = _address(cpu_int4.load(), "nanovllm_int4_linear")
         self.layers = (_Layer * len(layers))(
             *(
                 _Layer(
@@ -208,6 +226,7 @@ class DecoderStep:
             _address(cpu_ops.load(), "nanovllm_rotary"),
             _address(cpu_decode.load(), "nanovllm_paged_decode"),
             _address(cpu_int8.load(), "nanovllm_int8_linear") if int8 else None,
+            int4,
         )
 
     def __call__(
@@ -243,5 +262,6 @@ class DecoderStep:
 
 
 def usable() -> bool:
-    """Every library the step calls (but int8's, asked for by the caller) could be built."""
+    """Every library the step calls (but int8's and int4's, asked for by the caller) could be
+    built."""
     return all(lib.load() is not None for lib in (cpu_ops, cpu_decode)) and load() is not None

@@ -46,7 +46,9 @@ def rank_slice(loaded: torch.Tensor, dim: int, shard_size: int, group: TPGroup) 
 class WeightFormat(Protocol):
     """A linear layer's weight in another form than its float tensor, and the GEMM that reads
     it: given to the layer after loading by the platform (a CPU's oneDNN-packed copy,
-    platforms/cpu/weights.py) or by quantization (int8, quantization/int8.py)."""
+    platforms/cpu/weights.py) or by quantization (int8, int4: quantization/). A CPU format may
+    also hand the native decode step what it reads (`native_linear(bias)`,
+    platforms/cpu/decode_step.py); without it the step is not used."""
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias), W as this format holds it."""

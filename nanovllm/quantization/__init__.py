@@ -5,6 +5,7 @@ published quantized, loaded as they are. Imported only when quantization is aske
 checkpoint has it.
 
     int8   weight-only, per output channel, symmetric (int8.py)
+    int4   weight-only, per output channel and group of 128 input channels, min-max (int4.py)
     gptq, awq   4-bit checkpoints with a quantization_config (published.py)
     gguf   llama.cpp's files (gguf_checkpoint.py)
 """
@@ -17,6 +18,10 @@ from torch import nn
 def quantize_model(model: nn.Module, method: str) -> int:
     """Quantize a loaded model's linear layers in place by `method` (Config checked it is one of
     config.QUANTIZATIONS); how many layers were."""
+    if method == "int4":
+        from nanovllm.quantization.int4 import quantize_int4
+
+        return quantize_int4(model)
     assert method == "int8", method
     from nanovllm.quantization.int8 import quantize_int8
 

@@ -46,9 +46,15 @@ ARCHITECTURES = {
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' q and k rows
 
 
-def gguf_config(folder: str, file: str) -> PretrainedConfig:
+def gguf_config(folder: str, file: str, quantization: str | None) -> PretrainedConfig:
     """The model's config from the file's metadata: transformers' reading, with what it leaves
-    out (the model class, head_dim, whether the LM head is the embedding) from the file."""
+    out (the model class, head_dim, whether the LM head is the embedding) from the file.
+    `quantization` must be None or "gguf": the weights are as the file has them."""
+    if quantization not in (None, "gguf"):
+        raise ValueError(
+            f"a GGUF file's weights are quantized as the file has them; quantization="
+            f"{quantization!r} cannot apply (pass quantization='gguf' or none)"
+        )
     reader = gguf.GGUFReader(os.path.join(folder, file))
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels import cpu_int8
+from nanovllm.kernels import cpu_int8, cpu_step
 from nanovllm.layers.linear import FormattedWeight, ReplicatedLinear
 
 # Rows (a prefill chunk) above which a dequantized float copy and F.linear beat the int8 kernel,
@@ -51,6 +51,12 @@ class Int8Weight:
         """The float32 weight [N, K] it stands for."""
         return cpu_int8.dequantize(self.dense_qweight(), self.scale)
 
+    def native_linear(self, bias: torch.Tensor | None) -> cpu_step.Linear | None:
+        """The kernel's panels, for the native decode step (platforms/cpu/decode_step.py)."""
+        if self.library is None:
+            return None
+        return cpu_step.Linear(self.qweight, bias, self.scale, self.out_features, self.in_features)
+
     def dense_qweight(self) -> torch.Tensor:
         """[N, K] int8, from the kernel's panels [ceil(N / 64), K, 64] where it has them."""
         if self.library is None:
@@ -68,12 +74,12 @@ def quantize_int8(model: nn.Module) -> int:
         if isinstance(module, FormattedWeight):
             weight = module.weight.detach()
             # a tied LM head keeps the embedding's float weight, which the lookup reads
-            module.set_weight_format(Int8Weight(weight), keep_weight=_shared(model, module.weight))
+            module.set_weight_format(Int8Weight(weight), keep_weight=shared(model, module.weight))
             count += 1
     return count
 
 
-def _shared(model: nn.Module, weight: nn.Parameter) -> bool:
+def shared(model: nn.Module, weight: nn.Parameter) -> bool:
     """Another module holds `weight` too (the embedding, when the LM head is tied)."""
     holders = [m for m in model.modules() if any(p is weight for p in m.parameters(recurse=False))]
     return len(holders) > 1

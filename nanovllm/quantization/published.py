@@ -61,6 +61,24 @@ def find_quantization_config(model_dir: str, hf_config: object) -> dict | None:
     return None
 
 
+def published_method(model: str, hf_config: object, asked: str | None) -> str:
+    """`quantization` for a checkpoint that may be published quantized: its method, "gptq" or
+    "awq"; a ValueError if `asked` is another, or asks for one the checkpoint is not."""
+    config = find_quantization_config(model, hf_config)
+    if config is None:
+        raise ValueError(
+            f"quantization={asked!r} needs a checkpoint published so (a GGUF file, or a "
+            f"quantization_config in config.json); {model!r} is not"
+        )
+    method = read_scheme(config).method
+    if asked not in (None, method):
+        raise ValueError(
+            f"the checkpoint is quantized with {method}; quantization={asked!r} cannot apply "
+            f"(pass quantization={method!r} or none)"
+        )
+    return method
+
+
 def read_scheme(config: dict) -> Scheme:
     """A quantization config as a Scheme; a ValueError names the field that is not supported."""
     method = str(config.get("quant_method", "")).lower()

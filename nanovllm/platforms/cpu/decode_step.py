@@ -1,8 +1,9 @@
 """A CPU's decode step in one native call (kernels/cpu_step.py), its counterpart of the CUDA
 graphs (a FastDecode, platforms/interface.py): the embedding, every layer and the final norm of
-a dense decoder (Qwen3, Qwen2, Llama, Mistral) for small decode batches (f32_max_rows(), or
-INT8_MAX_ROWS with int8 weights), with no PyTorch op between. Everything else (prefill chunks,
-larger batches, MoE, tensor parallelism, half precision, enforce_eager) runs the eager model. In
+a dense decoder (Qwen3, Qwen2, Llama, Mistral) for small decode batches (max_rows()), with no
+PyTorch op between. Its linears read float32 weights or int8 or int4 ones (their formats' own
+`native_linear`, layers of each kind mixed); a weight format without it, prefill chunks, larger
+batches, MoE, tensor parallelism, half precision and enforce_eager run the eager model. In
 a small model's decode step most of the time went to the PyTorch ops around each layer's GEMVs
 (the figures: docs/cpu.md#the-native-decode-step)."""
 
@@ -11,20 +12,22 @@ from torch import nn
 
 from nanovllm.attention.metadata import ForwardContext
 from nanovllm.config import Config
-from nanovllm.kernels import cpu_int8, cpu_step
+from nanovllm.kernels import cpu_step
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
+from nanovllm.platforms.cpu.weights import PackedWeight
 
 # The most decode rows a step runs natively, where it measured faster than the eager layers
 # (docs/cpu.md#the-native-decode-step). Float32: the step's GEMV reads a weight once for all its
 # rows but sums each row apart, where oneDNN's packed GEMM (weights.py, the eager layers' from 2
 # rows) tiles rows in registers. Where a layer's weights stay in the caches (a small model) the
 # PyTorch ops the step saves weigh most: up to F32_MAX_ROWS_CACHED rows; where they stream from
-# memory (Qwen3-0.6B's, 63 MB a layer), F32_MAX_ROWS. Int8 weights take the same kernel either
-# way, up to where the eager path dequantizes them (AVX2).
+# memory (Qwen3-0.6B's, 63 MB a layer), F32_MAX_ROWS. Int8 and int4 weights take the same kernel
+# either way, up to where the eager path dequantizes them (int8 on AVX2).
 F32_MAX_ROWS = 2
 F32_MAX_ROWS_CACHED = 16
 F32_CACHED_LAYER_BYTES = 8 * 2**20  # a layer's float32 linears at most this: "in the caches"
 INT8_MAX_ROWS = 128
+INT4_MAX_ROWS = 128
 
 
 def native_decode_step(
@@ -42,18 +45,15 @@ def native_decode_step(
         return None
     if not cpu_step.usable():
         return None
-    if config.quantization not in (None, "int8"):  # 4-bit weights: their own GEMM alone
-        return None
-    int8 = config.quantization == "int8"
-    if int8 and cpu_int8.load() is None:
-        return None
-    return NativeDecodeStep(model, config.kvcache_block_size, int8)
+    linears = [_linear(linear) for layer in model.model.layers for linear in _linears(layer)]
+    if any(linear is None for linear in linears):
+        return None  # a weight format the step cannot read
+    return NativeDecodeStep(model, config.kvcache_block_size, max_rows(model, linears))
 
 
 class NativeDecodeStep:
-    def __init__(self, model: DecoderForCausalLM, block_size: int, int8: bool):
-        self.model, self.block_size, self.int8 = model, block_size, int8
-        self.max_rows = INT8_MAX_ROWS if int8 else f32_max_rows(model)
+    def __init__(self, model: DecoderForCausalLM, block_size: int, max_rows: int):
+        self.model, self.block_size, self.max_rows = model, block_size, max_rows
         self.step: cpu_step.DecoderStep | None = None
 
     def capture(self) -> None:
@@ -73,12 +73,11 @@ class NativeDecodeStep:
         self.step = cpu_step.DecoderStep(cpu_step.load(), shape, embed, norm, rope, layers)
 
     def _layer(self, layer: nn.Module) -> cpu_step.Layer:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qk_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         return cpu_step.Layer(
-            *(_linear(linear, self.int8) for linear in linears),
+            *(_linear(linear) for linear in _linears(layer)),
             *norms,
             *qk_norm,
             attn.attn.k_cache,
@@ -99,6 +98,21 @@ class NativeDecodeStep:
         self.step = None
 
 
+def max_rows(model: DecoderForCausalLM, linears: list[cpu_step.Linear]) -> int:
+    """The most rows a step runs natively: the least of its linears' limits, a quantized one's
+    also no more than its format runs its kernel for (int4.py's KERNEL_MAX_ROWS: 8 rows with
+    plain loops)."""
+    formats = [linear.weight_format for layer in model.model.layers for linear in _linears(layer)]
+    limits = []
+    for linear, weight_format in zip(linears, formats):
+        if linear.group_size or linear.scale is not None:
+            limit = INT4_MAX_ROWS if linear.group_size else INT8_MAX_ROWS
+            limits.append(min(limit, getattr(weight_format, "max_rows", limit)))
+        else:
+            limits.append(f32_max_rows(model))
+    return min(limits)
+
+
 def f32_max_rows(model: DecoderForCausalLM) -> int:
     """The float32 row limit for this model, by the bytes of one layer's linear weights."""
     layer = model.model.layers[0]
@@ -108,9 +122,17 @@ def f32_max_rows(model: DecoderForCausalLM) -> int:
     return F32_MAX_ROWS_CACHED if layer_bytes <= F32_CACHED_LAYER_BYTES else F32_MAX_ROWS
 
 
-def _linear(layer: nn.Module, int8: bool) -> cpu_step.Linear:
-    """A float32 weight, or the int8 kernel's panels (quantization/int8.py's Int8Weight)."""
-    if not int8:
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _linear(layer: nn.Module) -> cpu_step.Linear | None:
+    """What the step reads of a linear: its float32 weight (F.linear's, or oneDNN's packed copy
+    beside it), or what its weight format hands the step (`native_linear(bias)`: the int8 or
+    int4 kernel's panels, quantization/); None for a format without it."""
+    weight_format = layer.weight_format
+    if weight_format is None or isinstance(weight_format, PackedWeight):
         return cpu_step.Linear(layer.weight, layer.bias)
-    q = layer.weight_format
-    return cpu_step.Linear(q.qweight, layer.bias, q.scale, q.out_features, q.in_features)
+    native = getattr(weight_format, "native_linear", None)
+    return None if native is None else native(layer.bias)

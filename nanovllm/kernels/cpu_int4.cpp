@@ -1,0 +1,408 @@
+// Group-quantized int4 weight-only GEMM on a CPU (W4A16): float32 or bfloat16 activations, 4-bit
+// weights with a float32 scale and offset per output channel and group of G input channels,
+//
+//   w[n, k] = scale[n, g] * q[n, k] + offset[n, g]     q in 0..15, g = k / G
+//   y[m, n] = sum_g scale[n, g] (x[m, g] . q[n, g]) + offset[n, g] sum(x[m, g])   (+ bias[n])
+//
+// Plain C++ with a C entry point, no PyTorch headers, built like cpu_int8.cpp
+// (nanovllm/kernels/cpu_int4.py).
+//
+//   x       [M, K] float32 | bfloat16, contiguous        y  [M, N] x's dtype, contiguous
+//   packed  [N_pad / 64][K / G][scale 64 float32 | offset 64 float32 | G / 8 lines of 256 bytes]
+//   bias    [N] float32 or null;  N <= N_pad < N + 64 (padded channels: q, scale, offset 0)
+//
+// A panel holds 64 output channels; its groups follow each other, each the group's scales and
+// offsets, then its G / 8 lines, so at M = 1 the weights are read once, front to back, as one
+// stream that the hardware's prefetchers follow (with the scales after the lines, loaded first,
+// the kernel read from DRAM at 9.6 GB/s; now at ~22, a bare read loop's rate). A line holds 8
+// input channels k .. k + 7 of the 64 channels, 4 bytes a channel, 16 channels (64 bytes) after
+// each other: byte i of channel j is q[j, k + i] | q[j, k + 4 + i] << 4.
+//
+// The products are integer ones. Each row of x is written, per block of B input channels (B =
+// G up to 1024), in 24-bit fixed point with the block's own power-of-two step, X = round(x /
+// step), |X| <= 8355711, as three signed bytes X = c0 + 2^8 c1 + 2^16 c2. A vector dot-product
+// instruction (AVX-512 VNNI's vpdpbusd: 16 lanes, each adding 4 products of an unsigned and a
+// signed byte) multiplies the weights' low or high nibbles (an AND, or a shift and an AND, for
+// 16 channels x 4 k) by 4 bytes of one digit, broadcast; a block's sums S_c = sum_k q c_k are
+// exact in int32. Then, per block and in float32:
+//
+//   d = step (2^8 (S1 + 2^8 S2) + S0);  total += scale d;  total += offset (step sum(X))
+//
+// S1 + 2^8 S2 is exact in int32 and rounded once to float32, d once more (an FMA; the products
+// by step, a power of two, are exact), the total twice. So against float32 arithmetic: x is
+// rounded to 23 bits below its block's largest |x| (at most 2^-23 max |x_block| an element,
+// 2^-124 at the least), the products and their sums are exact, and a block adds 4-5 roundings.
+// The weights are never widened to floats: per 64 weights of a row, 6 dot-product instructions
+// (2 x 3 digits) and 3 of unpacking shared by the tile's rows. At M = 1 that ran 74 G weights/s
+// (6144 x 1024, in L3, 1 thread, AMD EPYC Zen 4; a stand-alone microbenchmark of the inner loops,
+// not kept) against 30 for nibbles turned into floats for FMAs, 37 for bfloat16 dot products
+// with x split exactly into three bfloat16 parts, and cpu_int8.cpp's loop 28.
+//
+// The work is GEMM's register tiling, as cpu_int8.cpp's: a tile is MR rows of x by NV vectors of
+// channels, 3 MR NV integer sums in registers over a block; each line's nibbles are unpacked once
+// for the tile's rows, and its scaled sums are added to the tile's float32 totals (in L1) once a
+// block. A row's sums are the same whatever the tile and the thread that ran it: its result does
+// not depend on the other rows.
+// Vectors: AVX-512 (W = 16 lanes; vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, which sum the
+// same products exactly), AVX2 (W = 8; AVX-VNNI's vpdpbusd where present, else the same pair),
+// or plain loops over 4 lanes (SSE2, NEON), chosen at compile time by -march=native.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+using bf16 = uint16_t;
+constexpr int BLOCK = 64;  // channels a panel
+constexpr int LINE = 256;  // bytes of a panel's 8 input channels: 64 channels x 4 bytes
+constexpr int SCALES = 8 * BLOCK;  // bytes of a group's scales and offsets, before its lines
+constexpr int MAX_X_BLOCK = 1024;  // input channels of x's fixed point: the int32 sums' bound
+constexpr int32_t X_MAX = 127 * (1 + 256 + 65536);  // the largest |X| of three signed bytes
+constexpr int MIN_EXPONENT = -100;  // x blocks below 2^-100 share this step: 2^-124
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define INT4_AVX512 1
+constexpr int W = 16;
+constexpr int WIDE_NV = 4, WIDE_MR = 1;  // 64 channels x 1 row: 12 sums
+constexpr int PAIR_NV = 4;              // 64 channels x 2 rows: 24 sums
+constexpr int TALL_NV = 1, TALL_MR = 8;  // 16 channels x 8 rows: 24 sums
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INT4_AVX2 1
+constexpr int W = 8;
+constexpr int WIDE_NV = 2, WIDE_MR = 1;  // 16 channels x 1 row: 6 sums of 16 registers
+constexpr int PAIR_NV = 2;              // 16 channels x 2 rows: 12 sums
+constexpr int TALL_NV = 1, TALL_MR = 3;  // 8 channels x 3 rows: 9 sums
+#else  // 4 lanes: SSE2's and NEON's registers
+constexpr int W = 4;
+constexpr int WIDE_NV = 4, WIDE_MR = 1;
+constexpr int PAIR_NV = 2;
+constexpr int TALL_NV = 2, TALL_MR = 3;
+#endif
+#if (defined(INT4_AVX512) && defined(__AVX512VNNI__)) || \
+    (defined(INT4_AVX2) && defined(__AVXVNNI__))
+#define INT4_DOT 2
+#elif defined(INT4_AVX512) || defined(INT4_AVX2)
+#define INT4_DOT 1
+#else
+#define INT4_DOT 0
+#endif
+
+using ivec = int32_t __attribute__((vector_size(W * sizeof(int32_t))));
+using uvec = uint32_t __attribute__((vector_size(W * sizeof(uint32_t))));
+using vec = float __attribute__((vector_size(W * sizeof(float))));
+using u16vec = uint16_t __attribute__((vector_size(W * sizeof(uint16_t))));
+
+ALWAYS_INLINE uvec load_q(const uint8_t* p) {
+  uvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+ALWAYS_INLINE vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// acc[j] += sum_i byte i of q[j] (unsigned) * x[i] (signed), i = 0..3: exact (|sum| < 2^13).
+ALWAYS_INLINE ivec dot4(ivec acc, uvec q, const int8_t* x) {
+  int32_t x4;
+  std::memcpy(&x4, x, 4);
+#if defined(INT4_AVX512) && INT4_DOT == 2
+  return reinterpret_cast<ivec>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc),
+                                                    reinterpret_cast<__m512i>(q),
+                                                    _mm512_set1_epi32(x4)));
+#elif defined(INT4_AVX512)
+  const __m512i pairs = _mm512_maddubs_epi16(reinterpret_cast<__m512i>(q), _mm512_set1_epi32(x4));
+  return acc + reinterpret_cast<ivec>(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#elif INT4_DOT == 2
+  return reinterpret_cast<ivec>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc),
+                                                        reinterpret_cast<__m256i>(q),
+                                                        _mm256_set1_epi32(x4)));
+#elif INT4_DOT == 1
+  const __m256i pairs = _mm256_maddubs_epi16(reinterpret_cast<__m256i>(q), _mm256_set1_epi32(x4));
+  return acc + reinterpret_cast<ivec>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#else
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < 4; ++i) acc[j] += static_cast<int32_t>((q[j] >> (8 * i)) & 0xFF) * x[i];
+  return acc;
+#endif
+}
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+// float32 -> bfloat16, to nearest-even (a NaN: the quiet NaN), as cpu_int8.cpp's.
+inline bf16 narrow(float x) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  return x != x ? bf16{0x7fc0} : static_cast<bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+ALWAYS_INLINE void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+ALWAYS_INLINE void store(bf16* p, vec v) {
+  const uvec bits = reinterpret_cast<uvec>(v);
+  const uvec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uvec nan = reinterpret_cast<uvec>(v != v);  // all ones where v is a NaN
+  const u16vec out = __builtin_convertvector((rounded & ~nan) | (nan & 0x7fc0u), u16vec);
+  std::memcpy(p, &out, sizeof out);
+}
+inline void store_one(float* p, float v) { *p = v; }
+inline void store_one(bf16* p, float v) { *p = narrow(v); }
+
+struct Problem {
+  const uint8_t* packed;
+  const float* bias;  // or null
+  int64_t M, N, K, G;
+  int64_t B;            // x's fixed-point blocks: G, or its largest multiple-of-32 divisor <= 1024
+  int64_t group_bytes;  // 64 scales, 64 offsets, then G / 8 lines
+};
+
+// x in fixed point: its digits, and per row and block the step and step * sum(X).
+struct Digits {
+  std::vector<int8_t> digits;    // [K / B][M][3][B]: a block's rows side by side
+  std::vector<float> step, sum;  // [M][K / B]
+  std::vector<uint8_t> finite;   // [M]: 0 where the row holds an inf or a NaN
+};
+
+// The calling thread's, kept between calls (no allocation a call once grown).
+thread_local Digits x_digits;
+
+// Row `x` [K] -> its digits (block j's [3][B] at digits + j * stride), steps and sums [K / B];
+// false if it holds an inf or a NaN.
+template <typename T>
+bool to_digits(const T* x, int64_t K, int64_t B, int8_t* digits, int64_t stride, float* step,
+               float* sum) {
+  for (int64_t k0 = 0, j = 0; k0 < K; k0 += B, ++j) {
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t k = k0; k < k0 + B; ++k) {
+      const float v = std::fabs(widen(x[k]));
+      finite &= v <= 3.4028235e38f;  // false for inf and NaN
+      amax = std::max(amax, v);
+    }
+    if (!finite) return false;
+    int exponent;  // amax = f 2^exponent, f in [0.5, 1)
+    std::frexp(amax, &exponent);
+    exponent = std::max(exponent, MIN_EXPONENT);
+    float scale = std::ldexp(1.f, 23 - exponent);  // amax * scale in [2^22, 2^23)
+    if (std::nearbyint(amax * scale) > X_MAX) scale *= 0.5f;  // f > 0.996: one bit fewer
+    int64_t total = 0;
+    int8_t* out = digits + j * stride - k0;
+    for (int64_t k = k0; k < k0 + B; ++k) {
+      // x * scale is exact (a power of two) and within 2^23: the integer nearest to it, ties even
+      const int32_t X = static_cast<int32_t>(std::nearbyint(widen(x[k]) * scale));
+      const int8_t c0 = static_cast<int8_t>(X & 0xFF);
+      const int32_t high = (X - c0) >> 8;  // exact: X - c0 is a multiple of 256
+      const int8_t c1 = static_cast<int8_t>(high & 0xFF);
+      out[k] = c0, out[B + k] = c1, out[2 * B + k] = static_cast<int8_t>((high - c1) >> 8);
+      total += X;
+    }
+    step[j] = 1.f / scale;
+    sum[j] = static_cast<float>(total) / scale;
+  }
+  return true;
+}
+
+template <typename T>
+void prepare(const Problem& p, const T* x, int num_threads) {
+  Digits& d = x_digits;
+  const int64_t blocks = p.K / p.B;
+  if (d.digits.size() < static_cast<size_t>(3 * p.M * p.K)) d.digits.resize(3 * p.M * p.K);
+  if (d.step.size() < static_cast<size_t>(p.M * blocks)) {
+    d.step.resize(p.M * blocks);
+    d.sum.resize(p.M * blocks);
+  }
+  if (d.finite.size() < static_cast<size_t>(p.M)) d.finite.resize(p.M);
+  int8_t* digits = d.digits.data();
+  float *step = d.step.data(), *sum = d.sum.data();
+  uint8_t* finite = d.finite.data();
+#pragma omp parallel for if (p.M * p.K >= (1 << 16) && num_threads > 1) num_threads(num_threads)
+  for (int64_t m = 0; m < p.M; ++m)
+    finite[m] = to_digits(x + m * p.K, p.K, p.B, digits + 3 * m * p.B, 3 * p.M * p.B,
+                          step + m * blocks, sum + m * blocks);
+}
+
+// One tile of one group: rows [m0, m0 + MR) of x against channels [c, c + NV W) of the
+// panel's group at `group`; its sums, scaled, are added to `totals` [MR][64] (the tile's rows
+// and the panel's channels).
+template <int NV, int MR>
+void group_tile(const Problem& p, const Digits& xd, const uint8_t* group, int64_t g, int c,
+                int64_t m0, float* __restrict totals) {
+  const int64_t blocks = p.K / p.B;
+  const uvec nibble = uvec{} + 0x0F0F0F0Fu;
+  const float* scales = reinterpret_cast<const float*>(group) + c;
+  for (int64_t b = 0; b < p.G / p.B; ++b) {  // x blocks of the group
+    const int64_t k0 = g * p.G + b * p.B, block = k0 / p.B;
+    const int8_t* rows = xd.digits.data() + (block * p.M + m0) * 3 * p.B;  // [MR][3][B]
+    ivec sums[3][MR][NV];
+#pragma GCC unroll 3
+    for (int i = 0; i < 3; ++i)
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) sums[i][m][v] = ivec{};
+    const uint8_t* line = group + SCALES + b * (p.B / 8) * LINE + 4 * c;
+    for (int64_t k = 0; k < p.B; k += 8, line += LINE) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        if constexpr (NV * W < BLOCK)  // the next group's: see gemm
+          __builtin_prefetch(line + 4 * W * v + p.group_bytes, 0, 2);
+        const uvec q = load_q(line + 4 * W * v);
+        const uvec low = q & nibble, high = (q >> 4) & nibble;  // k .. k + 3, k + 4 .. k + 7
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = rows + 3 * m * p.B + k;
+#pragma GCC unroll 3
+          for (int i = 0; i < 3; ++i) {
+            sums[i][m][v] = dot4(sums[i][m][v], low, x + i * p.B);
+            sums[i][m][v] = dot4(sums[i][m][v], high, x + i * p.B + 4);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const vec scale = load(scales + v * W), offset = load(scales + BLOCK + v * W);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const float step = xd.step[(m0 + m) * blocks + block];
+        const float sum = xd.sum[(m0 + m) * blocks + block];
+        const ivec upper = sums[1][m][v] + (sums[2][m][v] << 8);  // exact: |.| < 2^29
+        const vec low = __builtin_convertvector(sums[0][m][v], vec) * step;  // exact
+        const vec d = __builtin_convertvector(upper, vec) * (256.f * step) + low;
+        float* total = totals + m * BLOCK + c + v * W;
+        vec t = scale * d + load(total);
+        store(total, offset * sum + t);
+      }
+    }
+  }
+}
+
+template <int NV>
+using GroupTileFn = void (*)(const Problem&, const Digits&, const uint8_t*, int64_t, int, int64_t,
+                             float*);
+
+// group_tiles<NV>(MR)[r - 1]: the tile of r rows, r = 1..MR.
+template <int NV, int... R>
+constexpr auto group_tiles(std::integer_sequence<int, R...>) {
+  return std::array<GroupTileFn<NV>, sizeof...(R)>{&group_tile<NV, R + 1>...};
+}
+
+// Rows [m0, m0 + rows) of y, channels [n0, n0 + 64) but not past N: totals [rows][64] + bias.
+template <typename T>
+void store_rows(const Problem& p, const float* totals, int64_t m0, int rows, int64_t n0, T* y) {
+  for (int64_t n = n0; n < std::min(n0 + BLOCK, p.N); n += W) {
+    const float* total = totals + (n - n0);
+    if (n + W <= p.N) {
+      const vec bias = p.bias ? load(p.bias + n) : vec{};
+      for (int m = 0; m < rows; ++m) store(y + (m0 + m) * p.N + n, load(total + m * BLOCK) + bias);
+    } else {  // the last channels, fewer than W
+      for (int m = 0; m < rows; ++m)
+        for (int64_t i = 0; n + i < p.N; ++i)
+          store_one(y + (m0 + m) * p.N + n + i,
+                    total[m * BLOCK + i] + (p.bias ? p.bias[n + i] : 0.f));
+    }
+  }
+}
+
+// Below this many multiply-adds a call runs on its own thread: a fork/join costs more.
+constexpr int64_t GRAIN = int64_t{1} << 16;
+
+// Work items are (panel, row tile) pairs, panel-major, spread statically over the threads: a
+// thread keeps a panel in its L2 for all its row tiles. An item runs group by group, each
+// group's tiles of channels in turn, so a group's lines (4.5 KB at G = 128) are in L1 for all
+// its tiles and the weights come from memory in their order. A tile narrower than the panel
+// reads a line's part of it, every 256 bytes, which the hardware's prefetchers did not follow
+// well: it asks for the next group's part of each line it reads (tiles of 16 channels over the
+// whole panel, one after the other, ran 0.6-0.8x int8's speed from DRAM at 2-4 rows; group by
+// group 0.8x; with the prefetches 1.2x, as from L3).
+template <typename T, int NV, int MR>
+void gemm(const Problem& p, T* y, int num_threads) {
+  static constexpr auto tiles_of = group_tiles<NV>(std::make_integer_sequence<int, MR>{});
+  const int64_t row_tiles = (p.M + MR - 1) / MR, panels = (p.N + BLOCK - 1) / BLOCK;
+  const int64_t panel_bytes = p.K / p.G * p.group_bytes;
+  const Digits& xd = x_digits;
+#pragma omp parallel for schedule(static) if (p.M * p.N * p.K >= GRAIN && num_threads > 1) \
+    num_threads(num_threads)
+  for (int64_t job = 0; job < panels * row_tiles; ++job) {
+    const int64_t panel = job / row_tiles, m0 = job % row_tiles * MR;
+    const int rows = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
+    const int channels = static_cast<int>(std::min<int64_t>(BLOCK, p.N - panel * BLOCK));
+    alignas(64) float totals[MR * BLOCK] = {};
+    const uint8_t* group = p.packed + panel * panel_bytes;
+    for (int64_t g = 0; g < p.K / p.G; ++g, group += p.group_bytes)
+      for (int c = 0; c < channels; c += NV * W) tiles_of[rows - 1](p, xd, group, g, c, m0, totals);
+    store_rows(p, totals, m0, rows, panel * BLOCK, y);
+  }
+}
+
+// A row holding an inf or a NaN, in float32 from the weights as they dequantize: the infs and
+// NaNs of y are those of x @ w^T, whatever the order of the sum.
+template <typename T>
+void nonfinite_row(const Problem& p, const T* x, T* y) {
+  const int64_t panel_bytes = p.K / p.G * p.group_bytes;
+  for (int64_t n = 0; n < p.N; ++n) {
+    const uint8_t* panel = p.packed + n / BLOCK * panel_bytes;
+    const int j = static_cast<int>(n % BLOCK);
+    float total = p.bias ? p.bias[n] : 0.f;
+    for (int64_t k = 0; k < p.K; ++k) {
+      const uint8_t* group = panel + k / p.G * p.group_bytes;
+      const float* scales = reinterpret_cast<const float*>(group);
+      const int64_t i = k % p.G;
+      const uint8_t byte = group[SCALES + i / 8 * LINE + 4 * j + i % 4];
+      const int q = i % 8 < 4 ? byte & 0xF : byte >> 4;
+      total += widen(x[k]) * (scales[j] * q + scales[BLOCK + j]);
+    }
+    store_one(y + n, total);
+  }
+}
+
+template <typename T>
+void linear(const Problem& p, const void* x, void* y, int num_threads) {
+  const T* in = static_cast<const T*>(x);
+  T* out = static_cast<T*>(y);
+  prepare(p, in, num_threads);
+  if (p.M <= WIDE_MR)
+    gemm<T, WIDE_NV, WIDE_MR>(p, out, num_threads);
+  else if (p.M == 2)
+    gemm<T, PAIR_NV, 2>(p, out, num_threads);
+  else
+    gemm<T, TALL_NV, TALL_MR>(p, out, num_threads);
+  for (int64_t m = 0; m < p.M; ++m)
+    if (!x_digits.finite[m]) nonfinite_row(p, in + m * p.K, out + m * p.N);
+}
+
+}  // namespace
+
+extern "C" int nanovllm_int4_block() { return BLOCK; }
+extern "C" int nanovllm_int4_line() { return LINE; }
+extern "C" int nanovllm_int4_vector_width() { return W; }
+// How a vector's byte products are summed: 2 a dot-product instruction (VNNI), 1 a pair of
+// multiply-adds (vpmaddubsw + vpmaddwd), 0 plain loops.
+extern "C" int nanovllm_int4_dot() { return INT4_DOT; }
+
+// x's fixed-point blocks for a group size G (a multiple of 32): G, or its largest divisor
+// that is a multiple of 32 and at most 1024.
+extern "C" int64_t nanovllm_int4_x_block(int64_t G) {
+  int64_t B = std::min<int64_t>(G, MAX_X_BLOCK) / 32 * 32;
+  while (G % B != 0) B -= 32;
+  return B;
+}
+
+extern "C" void nanovllm_int4_linear(const void* x, int is_bf16, const uint8_t* packed,
+                                     const float* bias, void* y, int64_t M, int64_t N, int64_t K,
+                                     int64_t G, int num_threads) {
+  const Problem p{packed, bias, M, N, K, G, nanovllm_int4_x_block(G), SCALES + G / 8 * LINE};
+  if (is_bf16)
+    linear<bf16>(p, x, y, num_threads);
+  else
+    linear<float>(p, x, y, num_threads);
+}
