@@ -10,6 +10,10 @@ what is left of the time is reported as skipped):
     bench async    bfloat16; 256 requests, prompt and output lengths 100-1024) through
     bench eager    bench.py, with CUDA graphs, graphs + async scheduling, enforce_eager;
                    without bench.py, the same workload through LLM.generate (--throughput)
+    profile        benchmarks/decode_profile.py: one decode step at 1 and 256 rows under
+                   torch.profiler, its top kernels and their share of the GPU's time, and
+                   the step against its memory floor (the copy bandwidth measured there);
+                   with that bandwidth, a roofline line for each bench run
     decode step    benchmarks/decode_step.py: host vs GPU time per decode step
     decode kernel  benchmarks/decode_attention.py: the kernel against its memory floor
     compiled ops   benchmarks/compiled_ops.py: torch.compile'd small ops vs eager
@@ -256,6 +260,54 @@ def run_bench(runner: Runner, mode: str) -> None:
         stage.summary += f", decode {r['mean_decode_step_ms']:.2f} ms/step"
 
 
+def run_profile(runner: Runner) -> None:
+    result = runner.scratch / "profile.json"
+    argv = [sys.executable, "-m", "benchmarks.decode_profile", "--json", str(result)]
+    stage, _ = runner.run("profile", argv, limit_s=60)
+    if stage.status == "ok" and result.exists():
+        stage.figures = json.loads(result.read_text())
+        stage.summary = profile_summary(stage.figures)
+
+
+def profile_summary(profile: dict) -> str:
+    """Each batch's step, GPU busy time and floor, and its three largest kinds of kernel."""
+    return "; ".join(
+        f"batch {b['batch']}: step {b['step_ms']:.2f} ms, GPU busy {b['gpu_busy_ms']:.2f} ms "
+        f"in {b['kernels_per_step']:.0f} kernels, floor {b['floor_ms']:.3f} ms "
+        f"({b['floor_ms'] / b['step_ms']:.0%} of the step); "
+        + " · ".join(b["by_kind"].split(" · ")[:3])
+        for b in profile["batches"]
+    )
+
+
+def bench_roofline(bench: dict, copy_gb_s: float) -> str:
+    """A bench run's mean decode step against its memory floor: what the step must read
+    (bench.py's decode figures: every weight once, each row's K/V so far) over the copy
+    bandwidth."""
+    weights, kv = bench["decode_weight_gb_per_step"], bench["decode_kv_gb_per_step"]
+    floor_ms = (weights + kv) / copy_gb_s * 1e3
+    step_ms = bench["mean_decode_step_ms"]
+    return (
+        f"a mean decode step reads {weights + kv:.2f} GB (weights {weights:.2f} + KV {kv:.2f}: "
+        f"{bench['mean_decode_rows']:.0f} rows x {bench['mean_decode_context']:.0f} tokens): "
+        f"floor {floor_ms:.2f} ms at {copy_gb_s:,.0f} GB/s, measured {step_ms:.2f} ms "
+        f"({floor_ms / step_ms:.0%} of the step)"
+    )
+
+
+def roofline_rows(stages: list[Stage]) -> list[tuple[str, str]]:
+    """(name, line) for each bench run with decode figures, once the profile has measured the
+    copy bandwidth."""
+    profile = next((s for s in stages if s.name == "profile" and s.figures), None)
+    if profile is None:
+        return []
+    return [
+        (f"{s.name} floor", bench_roofline(s.figures, profile.figures["copy_bandwidth_gb_s"]))
+        for s in stages
+        if s.name.startswith("bench") and s.figures.get("decode_weight_gb_per_step")
+    ]
+
+
 def run_decode_step(runner: Runner) -> None:
     stage, output = runner.run(
         "decode step", [sys.executable, "benchmarks/decode_step.py", "--steps", "10"], limit_s=40
@@ -297,6 +349,7 @@ def run_percentages(
 def run_stages(runner: Runner, info: dict) -> None:
     run_tests(runner, info["pytest"])
     run_bench(runner, "graphs")
+    run_profile(runner)
     run_bench(runner, "async")
     run_bench(runner, "eager")
     run_decode_step(runner)
@@ -335,6 +388,7 @@ def print_table(info: dict, stages: list[Stage]) -> None:
     for s in stages:
         status = f"[{s.status}, {s.seconds:.0f} s]"
         rows.append((s.name, f"{s.summary}  {status}" if s.summary else status))
+    rows += roofline_rows(stages)
     width = max(len(name) for name, _ in rows)
     print("\n" + "-" * 78)
     for name, value in rows:

@@ -70,3 +70,57 @@ def test_every_test_that_skips_without_cuda_carries_the_cuda_mark():
         if skips_without_cuda(item) and item.get_closest_marker("cuda") is None
     ]
     assert unmarked == []
+
+
+# -- the profile and the rooflines, from figures made up here ----------------------------------
+
+
+def bench_figures(step_ms: float) -> dict:
+    """A bench run's decode figures (benchmarks/engines.py's decode_figures)."""
+    return {
+        "mean_decode_step_ms": step_ms,
+        "decode_weight_gb_per_step": 1.2,
+        "decode_kv_gb_per_step": 2.8,
+        "mean_decode_rows": 190.4,
+        "mean_decode_context": 871.6,
+    }
+
+
+def test_a_bench_runs_roofline_is_what_its_mean_step_reads_over_the_copy_bandwidth():
+    line = load_gpu_check().bench_roofline(bench_figures(step_ms=8.0), copy_gb_s=4000.0)
+    # 4.0 GB at 4,000 GB/s: 1 ms, an eighth of the measured step
+    assert line == (
+        "a mean decode step reads 4.00 GB (weights 1.20 + KV 2.80: 190 rows x 872 tokens): "
+        "floor 1.00 ms at 4,000 GB/s, measured 8.00 ms (12% of the step)"
+    )
+
+
+def test_rooflines_need_the_profiles_bandwidth_and_a_bench_with_decode_figures():
+    gpu_check = load_gpu_check()
+    Stage = gpu_check.Stage
+    benches = [
+        Stage("bench graphs", "ok", figures=bench_figures(2.0)),
+        Stage("bench async", "failed (exit 1)"),
+        Stage("bench eager", "ok", figures={"output_tok_s": 1.0}),  # the workload without bench.py
+    ]
+    assert gpu_check.roofline_rows(benches) == []  # no bandwidth measured
+    profile = Stage("profile", "ok", figures={"copy_bandwidth_gb_s": 4000.0, "batches": []})
+    rows = gpu_check.roofline_rows([*benches, profile])
+    assert [name for name, _ in rows] == ["bench graphs floor"]
+    assert rows[0][1].endswith("measured 2.00 ms (50% of the step)")
+
+
+def test_the_profile_summary_gives_each_batchs_step_floor_and_largest_kinds():
+    batch = dict(
+        batch=256,
+        step_ms=7.0,
+        gpu_busy_ms=5.94,
+        kernels_per_step=402.0,
+        floor_ms=3.5,
+        by_kind="attention 51% · gemm 30% · sampling 9% · compiled 6% · copy 4%",
+    )
+    summary = load_gpu_check().profile_summary({"batches": [batch]})
+    assert summary == (
+        "batch 256: step 7.00 ms, GPU busy 5.94 ms in 402 kernels, floor 3.500 ms "
+        "(50% of the step); attention 51% · gemm 30% · sampling 9%"
+    )
