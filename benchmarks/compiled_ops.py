@@ -1,12 +1,16 @@
-"""Eager vs torch.compile'd small ops (nanovllm/layers/compilation.py) on Qwen3-0.6B's
-shapes, per call, on the CPU or a CUDA GPU:
+"""Eager vs torch.compile'd hot ops (nanovllm/compilation.py) on Qwen3-0.6B's shapes, per call,
+on the CPU or a CUDA GPU:
 
     python benchmarks/compiled_ops.py [--device cpu|cuda] [--dtype bfloat16] \
         [--tokens 1 64 256 2048]
 
-Prints each op's time eager and compiled at each token count, the speed-up, and the
-one-off compile time. The layers use the compiled ops only where they pay (see
-compilation.py): this is the measurement behind that choice.
+Prints each op's time eager and compiled at each token count, the speed-up, and the one-off
+compile time. Each op is compiled with dynamic shapes, as the engine's become once they have
+seen two sizes (the decode graphs capture dozens): once for 1 token, which dynamo specializes,
+once for the rest. On CUDA a call's time is its GPU time
+as a decode graph replays it: 20 calls captured in one CUDA graph, the best of 10 replays (the
+host's dispatch and dynamo's guards are out of it, as they are out of a graph's replay); on a
+CPU, wall time. This is the measurement behind the platforms' choices (compilation.py).
 """
 
 import argparse
@@ -47,22 +51,44 @@ def op_inputs(tokens: int, dtype: torch.dtype, device: str) -> dict[str, tuple[H
     }
 
 
-def time_call(fn, args, device: str, min_time_s: float = 0.2) -> float:
-    """Seconds per call: the fastest of batches of 10 calls lasting >= min_time_s in all
-    (the least disturbed by other load on the machine)."""
+def time_call(fn, args, device: str) -> float:
+    """Seconds per call: on CUDA the GPU's, replayed from a graph; else the host's."""
+    return graph_time(fn, args) if device == "cuda" else wall_time(fn, args)
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
 
+def graph_time(fn, args, calls: int = 20, replays: int = 10) -> float:
+    """`calls` calls captured in one CUDA graph (after two eager ones: compile, allocator);
+    the best of `replays` replays, per call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*args), fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(*args)
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / calls)
+    graph.reset()
+    return best
+
+
+def wall_time(fn, args, min_time_s: float = 0.2) -> float:
+    """The fastest of batches of 10 calls lasting >= min_time_s in all (the least disturbed
+    by other load on the machine)."""
     fn(*args)
-    sync()
     samples, elapsed = [], 0.0
     while elapsed < min_time_s or len(samples) < 5:
         start = time.perf_counter()
         for _ in range(10):
             fn(*args)
-        sync()
         samples.append((time.perf_counter() - start) / 10)
         elapsed += samples[-1] * 10
     return min(samples)
@@ -90,14 +116,15 @@ def main() -> None:
         for tokens in args.tokens:
             for name, (op, op_args) in op_inputs(tokens, dtype, args.device).items():
                 start = time.perf_counter()
-                fn = compiled.setdefault(name, torch.compile(op.eager))
+                fn = compiled.setdefault(name, torch.compile(op.eager, dynamic=True))
                 fn(*op_args)  # compiles (or recompiles for a new shape)
                 compile_s = time.perf_counter() - start
                 eager_s = time_call(op.eager, op_args, args.device)
                 compiled_s = time_call(fn, op_args, args.device)
                 print(
                     f"{name:<14} {tokens:>6} {eager_s * 1e6:>10.1f} {compiled_s * 1e6:>12.1f} "
-                    f"{eager_s / compiled_s:>8.2f}x {compile_s:>10.1f}"
+                    f"{eager_s / compiled_s:>8.2f}x {compile_s:>10.1f}",
+                    flush=True,  # a row is kept even if the stage is stopped after it
                 )
 
 

@@ -46,6 +46,50 @@ def test_it_runs_the_files_with_cuda_tests_and_no_others():
     assert "tests/test_scheduler_properties.py" not in files  # hypothesis may be missing
 
 
+class FakeRunner:
+    """gpu_check's Runner without processes: every stage fails at once, its limit recorded."""
+
+    def __init__(self, scratch: Path):
+        self.scratch, self.stages, self.limits = scratch, [], {}
+
+    def run(self, name: str, argv: list[str], limit_s: float):
+        self.limits[name] = limit_s
+        self.stages.append(load_gpu_check().Stage(name, "failed (exit 1)", seconds=1.0))
+        return self.stages[-1], ""
+
+    def left(self) -> float:
+        return 0.0
+
+
+def test_the_default_stages_each_get_their_limit_and_end_within_8_minutes(tmp_path, capsys):
+    gpu_check = load_gpu_check()
+    runner = FakeRunner(tmp_path)
+    gpu_check.run_stages(runner, {"pytest": "8.0"})
+    assert list(runner.limits) == list(gpu_check.DEFAULT_STAGES)
+    assert runner.limits == {name: gpu_check.LIMITS[name] for name in gpu_check.DEFAULT_STAGES}
+    assert sum(runner.limits.values()) <= gpu_check.BUDGET_S <= 8 * 60 - 10  # versions, table
+    assert "--- profile: failed (exit 1) in 1 s (limit 50 s;" in capsys.readouterr().out
+
+
+def test_every_stage_can_be_run_by_name_within_its_limit(tmp_path):
+    gpu_check = load_gpu_check()
+    runner = FakeRunner(tmp_path)
+    gpu_check.run_stages(runner, {"pytest": "8.0"}, list(gpu_check.LIMITS))
+    assert runner.limits == gpu_check.LIMITS
+    assert all(limit <= gpu_check.BUDGET_S for limit in gpu_check.LIMITS.values())
+
+
+def test_an_unknown_stage_name_is_refused_with_the_list_of_stages():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--stages", "bench-mistral"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown stage(s) bench mistral; the stages: tests, bench graphs" in proc.stderr
+
+
 class _Collected:
     def __init__(self):
         self.items = []
