@@ -16,7 +16,8 @@ ends within 8 minutes on an H200 and the table always prints:
                    with that bandwidth, a roofline line for each bench run
     decode step    benchmarks/decode_step.py: host vs GPU time per decode step
     bench async    the bench with graphs and async scheduling
-    compiled ops   benchmarks/compiled_ops.py: torch.compile'd small ops vs eager, GPU time
+    compiled ops   benchmarks/compiled_ops.py: the hot ops eager, torch.compile'd and as their
+                   Triton kernels (kernels/fused_ops.py), GPU time from a graph's replay
 
 Others run when named with --stages (alone they fit; beside the ones above they would not):
 
@@ -382,8 +383,31 @@ def run_decode_kernel(runner: Runner, name: str, limit_s: float) -> None:
 
 
 def run_compiled_ops(runner: Runner, name: str, limit_s: float) -> None:
+    result = runner.scratch / "compiled_ops.json"
     argv = [sys.executable, "benchmarks/compiled_ops.py", "--tokens", "1", "256", "2048"]
-    run_percentages(runner, name, argv, limit_s, r"([\d.]+)x\s", "x")
+    stage, _ = runner.run(name, argv + ["--json", str(result)], limit_s)
+    if stage.status == "ok" and result.exists():
+        stage.figures = json.loads(result.read_text())
+        stage.summary = compiled_ops_summary(stage.figures)
+
+
+def compiled_ops_summary(figures: dict) -> str:
+    """What the hot ops cost a forward of the model each way, the ops compiled slower than
+    eager, and those whose Triton kernel was the fastest at every size (TRITON_HOT_OPS's
+    candidates)."""
+    costs = "; ".join(
+        f"{tokens} tokens: " + ", ".join(f"{impl} {us:,.0f}" for impl, us in step.items())
+        for tokens, step in figures["per_step"].items()
+    )
+    slower = [
+        f"{r['op']} at {r['tokens']}" for r in figures["rows"] if r["compiled_us"] > r["eager_us"]
+    ]
+    triton = [op for op, best in figures["fastest"].items() if set(best) == {"triton"}]
+    return (
+        f"hot ops per forward, us: {costs}; compiled slower than eager: "
+        f"{', '.join(slower) or 'none'}; Triton fastest at every size: "
+        f"{', '.join(triton) or 'none'}"
+    )
 
 
 def run_stages(runner: Runner, info: dict, names: Sequence[str] = DEFAULT_STAGES) -> None:

@@ -168,3 +168,19 @@ def test_the_profile_summary_gives_each_batchs_step_floor_and_largest_kinds():
         "batch 256: step 7.00 ms, GPU busy 5.94 ms in 402 kernels, floor 3.500 ms "
         "(50% of the step); attention 51% · gemm 30% · sampling 9%"
     )
+
+
+def test_the_compiled_ops_summary_names_the_slow_compiled_ops_and_the_triton_winners():
+    figures = {
+        "rows": [
+            {"op": "silu_and_mul", "tokens": 1, "eager_us": 4.0, "compiled_us": 5.0},
+            {"op": "silu_and_mul", "tokens": 256, "eager_us": 9.0, "compiled_us": 6.0},
+            {"op": "softmax_race", "tokens": 1, "eager_us": 30.0, "compiled_us": 12.0},
+        ],
+        "per_step": {"1": {"eager": 1234.4, "compiled": 600.0, "triton": 512.6}},
+        "fastest": {"silu_and_mul": ["triton", "triton"], "rotary": ["triton", "compiled"]},
+    }
+    assert load_gpu_check().compiled_ops_summary(figures) == (
+        "hot ops per forward, us: 1 tokens: eager 1,234, compiled 600, triton 513; "
+        "compiled slower than eager: silu_and_mul at 1; Triton fastest at every size: silu_and_mul"
+    )

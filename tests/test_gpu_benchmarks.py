@@ -1,5 +1,6 @@
-"""benchmarks/decode_profile.py's arithmetic and tables, from a profile made up here (the
-profile itself needs a GPU: scripts/gpu_check.sh runs it)."""
+"""The GPU benchmarks' arithmetic and tables from figures made up here: benchmarks/decode_profile.py
+(a profile's kernels, their kinds and shares, a step's floor) and benchmarks/compiled_ops.py (what
+the hot ops cost a forward). The measurements need a GPU: scripts/gpu_check.sh runs them."""
 
 import sys
 from pathlib import Path
@@ -94,3 +95,31 @@ def test_the_floor_is_the_bytes_read_over_the_copy_bandwidth():
         "batch 1: step 2.00 ms, GPU busy 1.00 ms (300 kernels); floor 0.500 ms = "
         "(weights 1.200 + KV 0.300 GB) at 3,000 GB/s: 25% of the step, 50% of GPU busy"
     )
+
+
+# -- benchmarks/compiled_ops.py's sums ------------------------------------------------------
+
+
+def test_a_forwards_hot_ops_cost_each_ops_calls_times_its_time_and_the_fastest_is_named():
+    from benchmarks import compiled_ops
+
+    rows = [
+        dict(op="add_rms_norm", tokens=1, eager_us=10.0, compiled_us=4.0, triton_us=3.0),
+        dict(op="softmax_race", tokens=1, eager_us=50.0, compiled_us=20.0, triton_us=None),
+        dict(op="add_rms_norm", tokens=8, eager_us=12.0, compiled_us=5.0, triton_us=6.0),
+    ]
+    calls = compiled_ops.CALLS_PER_STEP["add_rms_norm"]
+    assert calls == 56  # 28 layers, two norms each after a residual add
+    steps = compiled_ops.per_step(rows)
+    # an op without a Triton kernel runs compiled in the Triton column, as the platform runs it
+    assert steps[1] == {
+        "eager": calls * 10 + 50,
+        "compiled": calls * 4 + 20,
+        "triton": calls * 3 + 20,
+    }
+    cpu = [dict(r, triton_us=None) for r in rows]
+    assert compiled_ops.per_step(cpu)[1] == {"eager": calls * 10 + 50, "compiled": calls * 4 + 20}
+    assert compiled_ops.fastest(rows) == {
+        "add_rms_norm": ["triton", "compiled"],
+        "softmax_race": ["compiled"],
+    }
