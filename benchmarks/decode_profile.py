@@ -44,6 +44,7 @@ KINDS = (
     ("kv store", ("store_kvcache",)),
     ("attention", ("paged", "attention", "attn", "flash")),
     ("compiled", ("triton_",)),
+    ("hot op", ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel")),  # fused_ops.py
     ("moe", ("moe",)),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_")),
     ("sampling", ("softmax", "argmax", "topk", "sort", "distribution", "exponential")),

@@ -59,6 +59,7 @@ def test_device_kernels_are_per_step_and_longest_first_without_the_hosts_ops():
         ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled"),
         ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "sampling"),
         ("Memset (Device)", "copy"),
+        ("_rms_norm_kernel", "hot op"),
         (FILL, "other"),
     ],
 )

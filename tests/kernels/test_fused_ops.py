@@ -18,14 +18,18 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def assert_as_eager(out: torch.Tensor, ref: torch.Tensor) -> None:
     """16-bit: within one rounding of the dtype and bit-equal almost everywhere (the float32 math
-    under a rounding may differ by a unit: exp, rsqrt, a sum's order); float32: within a few
-    units of its last place."""
+    under a rounding may differ by a unit: exp, rsqrt, a sum's order); float32: as close as
+    test_cuda holds compiled ops to eager ones (a GPU's exp is approximate: a few units of
+    float32's last place, more for large arguments; a GPU may fuse a product and a sum, which
+    near a cancellation counts at the operands' scale)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    eps = torch.finfo(ref.dtype).eps
-    rtol = 8 * eps if ref.dtype == torch.float32 else eps
+    if ref.dtype == torch.float32:
+        atol = 1e-6 * ref.abs().max().item()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
+        return
+    rtol = torch.finfo(ref.dtype).eps
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=1e-30)
-    if ref.dtype != torch.float32:
-        assert (out == ref).float().mean().item() >= 0.99
+    assert (out == ref).float().mean().item() >= 0.99
 
 
 def qkv_views(tokens, heads, kv_heads, head_dim, dtype, gen):
@@ -92,7 +96,7 @@ def test_rotary_matches_the_eager_op_bit_for_bit_in_16_bits(dtype, heads, kv_hea
     ref = apply_rotary_emb.eager(positions, q, k, cache)
     for o, r in zip(out, ref):
         if dtype == torch.float32:
-            assert_as_eager(o, r)  # a GPU may fuse a product and the sum (one rounding less)
+            assert_as_eager(o, r)
         else:
             assert torch.equal(o, r)
         assert o.stride() == r.stride()  # views of one [tokens, heads + kv_heads, dim] tensor
