@@ -193,12 +193,17 @@ def decode_figures(result: dict, hf_config: dict, dtype: str, workload) -> dict:
     kv_tokens = sum(
         (n - 1) * len(p) + (n - 1) * n // 2 for p, n in zip(workload.prompts, workload.output_lens)
     )
-    read = steps * weight_bytes_per_step(hf_config, itemsize) + kv_tokens * kv_bytes_per_token(
-        hf_config, itemsize
-    )
+    decode_rows = sum(n - 1 for n in workload.output_lens)
+    weights = weight_bytes_per_step(hf_config, itemsize)
+    kv = kv_tokens * kv_bytes_per_token(hf_config, itemsize)
     return {
         "mean_decode_step_ms": 1e3 * result["decode_time_s"] / steps,
-        "decode_bandwidth_gb_s": read / result["decode_time_s"] / 1e9,
+        "decode_bandwidth_gb_s": (steps * weights + kv) / result["decode_time_s"] / 1e9,
+        # what a mean decode step reads, for its roofline (scripts/gpu_check.py)
+        "decode_weight_gb_per_step": weights / 1e9,
+        "decode_kv_gb_per_step": kv / steps / 1e9,
+        "mean_decode_rows": decode_rows / steps,
+        "mean_decode_context": kv_tokens / decode_rows if decode_rows else 0.0,
     }
 
 

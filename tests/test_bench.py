@@ -217,6 +217,11 @@ def test_decode_bandwidth_counts_the_kv_of_every_decode_step():
     )
     assert figures["decode_bandwidth_gb_s"] == pytest.approx(read / 0.5 / 1e9)
     assert figures["mean_decode_step_ms"] == pytest.approx(250.0)
+    # the mean step: 1 row over 4.5 tokens, the weights read once
+    assert figures["mean_decode_rows"] == 1.0 and figures["mean_decode_context"] == 4.5
+    assert figures["decode_weight_gb_per_step"] == engines.weight_bytes_per_step(config, 4) / 1e9
+    kv_per_step = 4.5 * engines.kv_bytes_per_token(config, 4) / 1e9
+    assert figures["decode_kv_gb_per_step"] == pytest.approx(kv_per_step)
 
 
 # -- end to end (CPU) ----------------------------------------------------------------------

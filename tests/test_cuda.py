@@ -1,6 +1,6 @@
-"""The CUDA path on a real GPU: decode CUDA graphs against eager mode and transformers,
-KV-cache sizing against gpu_memory_utilization, one host sync per step, compiled ops
-against eager ones, and close() releasing everything. Skipped without CUDA; on a GPU box
+"""The CUDA path on a real GPU: decode CUDA graphs against eager mode and transformers (Qwen3,
+Llama, Qwen2), KV-cache sizing against gpu_memory_utilization, one host sync per step, compiled
+ops against eager ones, and close() releasing everything. Skipped without CUDA; on a GPU box
 scripts/gpu_check.sh runs them (`pytest -m cuda`)."""
 
 import gc
@@ -76,6 +76,22 @@ def test_graphs_give_eager_mode_and_transformers_greedy_tokens(checkpoints, back
     assert set(replays) - set(capture_batch_sizes(40))  # sizes between captured ones replayed
     assert replayed == eager
     assert replayed == [hf_greedy(path, tuple(p), sp.max_tokens) for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_other_families_with_graphs_give_transformers_greedy_tokens(families, name):
+    """Llama (Llama 3's RoPE scaling past position 32, a tied LM head) and Qwen2 (q/k/v biases)
+    decode from the graphs what transformers decodes (Qwen3: above; Qwen3-MoE:
+    tests/kernels/test_fused_moe.py)."""
+    path = str(families[name])
+    g = torch.Generator().manual_seed(0)  # test_model_families' prompts: no near-tie in 16 tokens
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1, 17, 40, 100)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=64, **FEW_GRAPHS) as llm:
+        replays = record_replays(llm.model_runner.fast_decode)
+        tokens = token_ids(llm.generate(prompts, greedy, use_tqdm=False))
+    assert replays
+    assert tokens == [hf_greedy(path, tuple(p), greedy.max_tokens) for p in prompts]
 
 
 def test_decode_at_the_last_position_of_max_model_len_replays_a_graph(checkpoints):

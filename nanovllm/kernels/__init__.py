@@ -8,6 +8,9 @@ layouts it is given, naming the argument (kernels/layout.py).
     fused_moe                a mixture of experts' two projections as grouped GEMMs over
                              the tokens sorted by expert
     lora_bgmv                LoRA's shrink and expand GEMMs, each row under its own adapter
+    rms_norm, add_rms_norm,  the hot ops between the matmuls (fused_ops.py), one kernel each,
+    silu_and_mul,            rounded as the eager ops are; CUDA runs those its platform's
+    apply_rotary_emb         TRITON_HOT_OPS names
 
     cpu_decode               (C++, not Triton) the CPU's paged decode, see cpu_decode.py
     cpu_ops                  (C++) the CPU's RMSNorm (+ residual) and rotary, bit-equal to the
@@ -34,6 +37,10 @@ _HOMES = {
     "store_kvcache": "store_kvcache",
     "fused_moe": "fused_moe",
     "lora_bgmv": "lora",
+    "rms_norm": "fused_ops",
+    "add_rms_norm": "fused_ops",
+    "silu_and_mul": "fused_ops",
+    "apply_rotary_emb": "fused_ops",
 }
 
 __all__ = list(_HOMES)

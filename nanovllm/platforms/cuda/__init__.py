@@ -1,7 +1,8 @@
 """The CUDA platform: the GPU's memory measured to size the KV cache (memory.py), decode replayed
-from CUDA graphs (graphs.py), the hot ops compiled by torch.compile (and an MoE layer's experts
-as a Triton grouped GEMM), the attention kernels of flash-attn or our Triton ones, each step's
-inputs copied from pinned memory without a sync."""
+from CUDA graphs (graphs.py), the hot ops compiled by torch.compile or, where TRITON_HOT_OPS says,
+run as Triton kernels of their own (and an MoE layer's experts as a Triton grouped GEMM), the
+attention kernels of flash-attn or our Triton ones, each step's inputs copied from pinned memory
+without a sync."""
 
 from collections.abc import Callable
 
@@ -90,11 +91,26 @@ def triton_lora(
 
 # Hot ops with a kernel of their own on CUDA, compiled or not; by the op's name.
 KERNELS: dict[str, Callable] = {"fused_moe_torch": triton_fused_moe, "lora_delta": triton_lora}
+# Hot ops that have a Triton kernel of the same name and contract in kernels/fused_ops.py.
+FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_emb")
+# Those of them that run as that kernel instead of torch.compile's twin (or, under enforce_eager,
+# the eager op). None yet: benchmarks/compiled_ops.py on a GPU times the three (the GPU check's
+# "compiled ops" stage) and decides which go here (docs/cuda.md).
+TRITON_HOT_OPS: frozenset[str] = frozenset()
+
+
+def fused_kernel(op: HotOp) -> Callable | None:
+    """The op's Triton kernel where TRITON_HOT_OPS names it (imports Triton then)."""
+    if op.name not in TRITON_HOT_OPS:
+        return None
+    from nanovllm.kernels import fused_ops
+
+    return getattr(fused_ops, op.name)
 
 
 def eager_cuda_ops(op: HotOp) -> Callable:
-    return KERNELS.get(op.name, op.eager)
+    return KERNELS.get(op.name) or fused_kernel(op) or op.eager
 
 
 def compiled_cuda_ops(op: HotOp) -> Callable:
-    return KERNELS.get(op.name) or op.compiled()
+    return KERNELS.get(op.name) or fused_kernel(op) or op.compiled()
