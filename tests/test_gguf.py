@@ -174,3 +174,13 @@ def test_bad_files_and_arguments_are_refused_by_name(files, tmp_path):
         LLM(str(other), device="cpu")
     with pytest.raises(ValueError, match="neither"):
         LLM(str(tmp_path / "absent.gguf"), device="cpu")
+
+
+def test_nanovllm_serve_takes_a_gguf_file_or_its_folder(files, tmp_path):
+    from nanovllm.entrypoints.cli import missing_model
+
+    path = files["qwen3", "Q4_0"]
+    assert missing_model(["serve", str(path)]) is None
+    assert missing_model(["serve", str(path.parent)]) is None
+    refused = missing_model(["serve", str(tmp_path / "absent.gguf")])
+    assert refused is not None and "nor a GGUF file" in refused
