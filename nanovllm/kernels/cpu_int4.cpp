@@ -214,6 +214,18 @@ bool to_digits(const T* x, int64_t K, int64_t B, int8_t* digits, int64_t stride,
   return true;
 }
 
+// body(i) for i in [0, n), on num_threads threads (statically) where `parallel`: OpenMP's
+// `if` clause still forks a team of one (0.9 us a call of 64 x 128 against 0.2 without).
+template <typename F>
+void parallel_for(int64_t n, bool parallel, int num_threads, F&& body) {
+  if (!parallel || num_threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t i = 0; i < n; ++i) body(i);
+}
+
 template <typename T>
 void prepare(const Problem& p, const T* x, int num_threads) {
   Digits& d = x_digits;
@@ -227,10 +239,10 @@ void prepare(const Problem& p, const T* x, int num_threads) {
   int8_t* digits = d.digits.data();
   float *step = d.step.data(), *sum = d.sum.data();
   uint8_t* finite = d.finite.data();
-#pragma omp parallel for if (p.M * p.K >= (1 << 16) && num_threads > 1) num_threads(num_threads)
-  for (int64_t m = 0; m < p.M; ++m)
+  parallel_for(p.M, p.M * p.K >= (1 << 16), num_threads, [&](int64_t m) {
     finite[m] = to_digits(x + m * p.K, p.K, p.B, digits + 3 * m * p.B, 3 * p.M * p.B,
                           step + m * blocks, sum + m * blocks);
+  });
 }
 
 // One tile of one group: rows [m0, m0 + MR) of x against channels [c, c + NV W) of the
@@ -333,9 +345,7 @@ void gemm(const Problem& p, T* y, int num_threads) {
   const int64_t row_tiles = (p.M + MR - 1) / MR, panels = (p.N + BLOCK - 1) / BLOCK;
   const int64_t panel_bytes = p.K / p.G * p.group_bytes;
   const Digits& xd = x_digits;
-#pragma omp parallel for schedule(static) if (p.M * p.N * p.K >= GRAIN && num_threads > 1) \
-    num_threads(num_threads)
-  for (int64_t job = 0; job < panels * row_tiles; ++job) {
+  parallel_for(panels * row_tiles, p.M * p.N * p.K >= GRAIN, num_threads, [&](int64_t job) {
     const int64_t panel = job / row_tiles, m0 = job % row_tiles * MR;
     const int rows = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
     const int channels = static_cast<int>(std::min<int64_t>(BLOCK, p.N - panel * BLOCK));
@@ -344,7 +354,7 @@ void gemm(const Problem& p, T* y, int num_threads) {
     for (int64_t g = 0; g < p.K / p.G; ++g, group += p.group_bytes)
       for (int c = 0; c < channels; c += NV * W) tiles_of[rows - 1](p, xd, group, g, c, m0, totals);
     store_rows(p, totals, m0, rows, panel * BLOCK, y);
-  }
+  });
 }
 
 // A row holding an inf or a NaN, in float32 from the weights as they dequantize: the infs and
