@@ -14,7 +14,7 @@
 // A panel holds 64 output channels; its groups follow each other, each the group's scales and
 // offsets, then its G / 8 lines, so at M = 1 the weights are read once, front to back, as one
 // stream that the hardware's prefetchers follow (with the scales after the lines, loaded first,
-// the kernel read from DRAM at 9.6 GB/s; now at ~22, a bare read loop's rate). A line holds 8
+// the kernel read from DRAM at 9.6 GB/s; now at 23-27, a bare read loop's rate). A line holds 8
 // input channels k .. k + 7 of the 64 channels, 4 bytes a channel, 16 channels (64 bytes) after
 // each other: byte i of channel j is q[j, k + i] | q[j, k + 4 + i] << 4.
 //
