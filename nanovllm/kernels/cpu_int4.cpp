@@ -14,7 +14,7 @@
 // A panel holds 64 output channels; its groups follow each other, each the group's scales and
 // offsets, then its G / 8 lines, so at M = 1 the weights are read once, front to back, as one
 // stream that the hardware's prefetchers follow (with the scales after the lines, loaded first,
-// the kernel read from DRAM at 9.6 GB/s; now at ~22, a bare read loop's rate). A line holds 8
+// the kernel read from DRAM at 9.6 GB/s; now at 23-27, a bare read loop's rate). A line holds 8
 // input channels k .. k + 7 of the 64 channels, 4 bytes a channel, 16 channels (64 bytes) after
 // each other: byte i of channel j is q[j, k + i] | q[j, k + 4 + i] << 4.
 //
@@ -138,6 +138,31 @@ ALWAYS_INLINE ivec dot4(ivec acc, uvec q, const int8_t* x) {
 #endif
 }
 
+// acc[j] += the products of q[j]'s low bytes with x[0 .. 3] and of its high ones with x[4 .. 7]
+// (a line's low and high nibbles). Without VNNI the two vpmaddubsw's int16 pair sums are added
+// before the one vpmaddwd: |2 15 128| twice fits int16 (5 instructions for 6: the AVX2 build's
+// 1-row GEMV is bound by them).
+ALWAYS_INLINE ivec dot8(ivec acc, uvec low, uvec high, const int8_t* x) {
+#if INT4_DOT == 1
+  int32_t x0, x1;
+  std::memcpy(&x0, x, 4);
+  std::memcpy(&x1, x + 4, 4);
+#if defined(INT4_AVX512)
+  const __m512i pairs =
+      _mm512_add_epi16(_mm512_maddubs_epi16(reinterpret_cast<__m512i>(low), _mm512_set1_epi32(x0)),
+                       _mm512_maddubs_epi16(reinterpret_cast<__m512i>(high), _mm512_set1_epi32(x1)));
+  return acc + reinterpret_cast<ivec>(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#else
+  const __m256i pairs =
+      _mm256_add_epi16(_mm256_maddubs_epi16(reinterpret_cast<__m256i>(low), _mm256_set1_epi32(x0)),
+                       _mm256_maddubs_epi16(reinterpret_cast<__m256i>(high), _mm256_set1_epi32(x1)));
+  return acc + reinterpret_cast<ivec>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+#else
+  return dot4(dot4(acc, low, x), high, x + 4);
+#endif
+}
+
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
 
@@ -163,6 +188,9 @@ struct Problem {
   int64_t M, N, K, G;
   int64_t B;            // x's fixed-point blocks: G, or its largest multiple-of-32 divisor <= 1024
   int64_t group_bytes;  // 64 scales, 64 offsets, then G / 8 lines
+  // K / B and G / B, divided once: a group tile's three 64-bit divisions cost a fifth of a
+  // row's time at M = 1 from DRAM (qkv 124 us a call against 97)
+  int64_t blocks, group_blocks;
 };
 
 // x in fixed point: its digits, and per row and block the step and step * sum(X).
@@ -211,6 +239,18 @@ bool to_digits(const T* x, int64_t K, int64_t B, int8_t* digits, int64_t stride,
   return true;
 }
 
+// body(i) for i in [0, n), on num_threads threads (statically) where `parallel`: OpenMP's
+// `if` clause still forks a team of one (0.9 us a call of 64 x 128 against 0.2 without).
+template <typename F>
+void parallel_for(int64_t n, bool parallel, int num_threads, F&& body) {
+  if (!parallel || num_threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t i = 0; i < n; ++i) body(i);
+}
+
 template <typename T>
 void prepare(const Problem& p, const T* x, int num_threads) {
   Digits& d = x_digits;
@@ -224,10 +264,10 @@ void prepare(const Problem& p, const T* x, int num_threads) {
   int8_t* digits = d.digits.data();
   float *step = d.step.data(), *sum = d.sum.data();
   uint8_t* finite = d.finite.data();
-#pragma omp parallel for if (p.M * p.K >= (1 << 16) && num_threads > 1) num_threads(num_threads)
-  for (int64_t m = 0; m < p.M; ++m)
+  parallel_for(p.M, p.M * p.K >= (1 << 16), num_threads, [&](int64_t m) {
     finite[m] = to_digits(x + m * p.K, p.K, p.B, digits + 3 * m * p.B, 3 * p.M * p.B,
                           step + m * blocks, sum + m * blocks);
+  });
 }
 
 // One tile of one group: rows [m0, m0 + MR) of x against channels [c, c + NV W) of the
@@ -236,11 +276,11 @@ void prepare(const Problem& p, const T* x, int num_threads) {
 template <int NV, int MR>
 void group_tile(const Problem& p, const Digits& xd, const uint8_t* group, int64_t g, int c,
                 int64_t m0, float* __restrict totals) {
-  const int64_t blocks = p.K / p.B;
+  const int64_t blocks = p.blocks;
   const uvec nibble = uvec{} + 0x0F0F0F0Fu;
   const float* scales = reinterpret_cast<const float*>(group) + c;
-  for (int64_t b = 0; b < p.G / p.B; ++b) {  // x blocks of the group
-    const int64_t k0 = g * p.G + b * p.B, block = k0 / p.B;
+  for (int64_t b = 0; b < p.group_blocks; ++b) {  // x blocks of the group
+    const int64_t block = g * p.group_blocks + b;
     const int8_t* rows = xd.digits.data() + (block * p.M + m0) * 3 * p.B;  // [MR][3][B]
     ivec sums[3][MR][NV];
 #pragma GCC unroll 3
@@ -262,8 +302,7 @@ void group_tile(const Problem& p, const Digits& xd, const uint8_t* group, int64_
           const int8_t* x = rows + 3 * m * p.B + k;
 #pragma GCC unroll 3
           for (int i = 0; i < 3; ++i) {
-            sums[i][m][v] = dot4(sums[i][m][v], low, x + i * p.B);
-            sums[i][m][v] = dot4(sums[i][m][v], high, x + i * p.B + 4);
+            sums[i][m][v] = dot8(sums[i][m][v], low, high, x + i * p.B);
           }
         }
       }
@@ -330,9 +369,7 @@ void gemm(const Problem& p, T* y, int num_threads) {
   const int64_t row_tiles = (p.M + MR - 1) / MR, panels = (p.N + BLOCK - 1) / BLOCK;
   const int64_t panel_bytes = p.K / p.G * p.group_bytes;
   const Digits& xd = x_digits;
-#pragma omp parallel for schedule(static) if (p.M * p.N * p.K >= GRAIN && num_threads > 1) \
-    num_threads(num_threads)
-  for (int64_t job = 0; job < panels * row_tiles; ++job) {
+  parallel_for(panels * row_tiles, p.M * p.N * p.K >= GRAIN, num_threads, [&](int64_t job) {
     const int64_t panel = job / row_tiles, m0 = job % row_tiles * MR;
     const int rows = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
     const int channels = static_cast<int>(std::min<int64_t>(BLOCK, p.N - panel * BLOCK));
@@ -341,7 +378,7 @@ void gemm(const Problem& p, T* y, int num_threads) {
     for (int64_t g = 0; g < p.K / p.G; ++g, group += p.group_bytes)
       for (int c = 0; c < channels; c += NV * W) tiles_of[rows - 1](p, xd, group, g, c, m0, totals);
     store_rows(p, totals, m0, rows, panel * BLOCK, y);
-  }
+  });
 }
 
 // A row holding an inf or a NaN, in float32 from the weights as they dequantize: the infs and
@@ -400,7 +437,8 @@ extern "C" int64_t nanovllm_int4_x_block(int64_t G) {
 extern "C" void nanovllm_int4_linear(const void* x, int is_bf16, const uint8_t* packed,
                                      const float* bias, void* y, int64_t M, int64_t N, int64_t K,
                                      int64_t G, int num_threads) {
-  const Problem p{packed, bias, M, N, K, G, nanovllm_int4_x_block(G), SCALES + G / 8 * LINE};
+  const int64_t B = nanovllm_int4_x_block(G);
+  const Problem p{packed, bias, M, N, K, G, B, SCALES + G / 8 * LINE, K / B, G / B};
   if (is_bf16)
     linear<bf16>(p, x, y, num_threads);
   else
