@@ -27,6 +27,12 @@ from pathlib import Path
 FIRST_BUILD_S = 5  # a default run's builds (module docstring)
 
 
+def native_flags(*math: str) -> tuple[str, ...]:
+    """Every library's flags: optimized for this CPU, OpenMP, a shared object; `math`, its own
+    floating-point flags (-ffp-contract=fast, -fno-trapping-math, ...), between."""
+    return ("-O3", "-march=native", *math, "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
 def load_library(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.CDLL | None:
     """The library compiled from `source`, built on first use; None (and a warning ending
     with `fallback`, what runs instead) if it cannot be."""

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.kernels.cpu_build import load_library
+from nanovllm.kernels.cpu_build import load_library, native_flags
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # -fno-trapping-math: the softmax loop's selects may be if-converted, so it vectorizes (not
 # -ffast-math: GCC 12 would link crtfastmath, flushing denormals in the whole process).
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = native_flags("-fno-trapping-math")
 DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes it reads
 _INT, _PTR = ctypes.c_int, ctypes.c_void_p
 _ARGTYPES = (

@@ -27,20 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.cpu_build import load_library
+from nanovllm.kernels.cpu_build import load_library, native_flags
 
 SOURCE = Path(__file__).with_name("cpu_int4.cpp")
 # -ffp-contract=fast: scale * d + acc is one FMA (-std=c++17 alone would turn that off).
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-ffp-contract=fast",
-    "-fno-math-errno",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-    "-std=c++17",
-)
+FLAGS = native_flags("-ffp-contract=fast", "-fno-math-errno")
 BLOCK = 64  # output channels a panel (cpu_int4.cpp's BLOCK)
 LINE = 256  # bytes of a panel's 8 input channels (cpu_int4.cpp's LINE)
 SCALES = 8 * BLOCK  # bytes of a group's scales and offsets, before its lines

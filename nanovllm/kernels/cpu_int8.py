@@ -22,19 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.cpu_build import load_library
+from nanovllm.kernels.cpu_build import load_library, native_flags
 
 SOURCE = Path(__file__).with_name("cpu_int8.cpp")
 # -ffp-contract=fast: x * w + acc is one FMA (-std=c++17 alone would turn that off).
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-ffp-contract=fast",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-    "-std=c++17",
-)
+FLAGS = native_flags("-ffp-contract=fast")
 BLOCK = 64  # output channels a panel (cpu_int8.cpp's BLOCK)
 DTYPES = (torch.float32, torch.bfloat16)
 _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.kernels.cpu_build import load_library
+from nanovllm.kernels.cpu_build import load_library, native_flags
 
 SOURCE = Path(__file__).with_name("cpu_lora.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = native_flags("-ffp-contract=fast")
 MAX_WIDTH = 1024  # cpu_lora.cpp's: the widest stacked rank a row's buffer holds
 _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 

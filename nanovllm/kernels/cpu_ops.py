@@ -17,21 +17,12 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.kernels.cpu_build import load_library
+from nanovllm.kernels.cpu_build import load_library, native_flags
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # -ffp-contract=off: a*b + c rounded twice, as PyTorch's separate ops do (GCC would fuse an
 # FMA); -fno-math-errno: sqrt is one instruction (no errno for a negative).
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-    "-std=c++17",
-)
+FLAGS = native_flags("-ffp-contract=off", "-fno-math-errno")
 DTYPES = (torch.float32, torch.bfloat16)
 # Lanes of the float vector of PyTorch's CPU sum, which set the order of its sums (cpu_ops.cpp):
 # 8 on x86, under AVX-512 too (torch registers no AVX-512 sum kernel: those CPUs run the AVX2

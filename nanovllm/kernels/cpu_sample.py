@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.kernels.cpu_build import load_library
+from nanovllm.kernels.cpu_build import load_library, native_flags
 
 SOURCE = Path(__file__).with_name("cpu_sample.cpp")
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = native_flags("-fno-trapping-math")
 _INT, _PTR = ctypes.c_int, ctypes.c_void_p
 
 

@@ -19,20 +19,11 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.kernels import cpu_decode, cpu_int8, cpu_ops
-from nanovllm.kernels.cpu_build import load_library
+from nanovllm.kernels.cpu_build import load_library, native_flags
 
 SOURCE = Path(__file__).with_name("cpu_step.cpp")
 # -ffp-contract=fast: the GEMM's x * w + acc is one FMA; the ops it calls keep their own flags.
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-ffp-contract=fast",
-    "-fno-math-errno",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-    "-std=c++17",
-)
+FLAGS = native_flags("-ffp-contract=fast", "-fno-math-errno")
 _INT, _I64, _PTR, _FLOAT = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
