@@ -283,6 +283,7 @@ def test_ctrl_c_in_the_timed_run_is_one_line_with_the_figures_so_far_and_status_
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=default_sigint,
     )
     stderr = read_until(proc.stderr, re.compile(rb"[\d.]+tok/s"), timeout=120)  # a step's rate
     proc.send_signal(signal.SIGINT)
@@ -293,6 +294,12 @@ def test_ctrl_c_in_the_timed_run_is_one_line_with_the_figures_so_far_and_status_
     assert out.startswith("CPU: ") and len(out.splitlines()) == 2, out
     made, requested = map(int, INTERRUPTED.search(out).groups())
     assert 0 < made < requested
+
+
+def default_sigint() -> None:
+    """Ctrl-C in a terminal reaches a process whose SIGINT is the default; a test run started in
+    the background (`cmd &` in a script) has it ignored, which its children would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def read_until(pipe, pattern: re.Pattern, timeout: float) -> bytes:
