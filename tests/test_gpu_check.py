@@ -99,6 +99,7 @@ class _Collected:
         self.items = list(items)
 
 
+@pytest.mark.slow
 def test_every_test_that_skips_without_cuda_carries_the_cuda_mark():
     collected = _Collected()
     pytest.main(

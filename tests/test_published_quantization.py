@@ -152,6 +152,7 @@ def test_greedy_tokens_are_transformers_and_the_native_step_agrees(made, method)
     assert_greedy_tokens_are(oracle, path, make_prompts((12,), seed=3)[0])
 
 
+@pytest.mark.slow
 def test_tensor_parallel_shards_the_groups_as_the_weights(made):
     path, oracle = made["gptq", "qwen3"]
     prompts = make_prompts((5, 30))

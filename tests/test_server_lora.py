@@ -214,6 +214,7 @@ def test_a_bad_adapter_is_refused_and_the_server_serves_on(
     assert "Traceback" not in server.log.read_text()
 
 
+@pytest.mark.slow
 def test_without_the_runtime_switch_there_are_no_load_routes(bos_checkpoint, adapters):
     flags = ["--served-model-name", NAME, "--lora-modules", f"sql={adapters['sql']}"]
     with running_server(bos_checkpoint, *flags, *engine_flags(**ENGINE), *LORA_FLAGS) as running:
@@ -221,6 +222,7 @@ def test_without_the_runtime_switch_there_are_no_load_routes(bos_checkpoint, ada
         assert post(running, "load_lora_adapter", body).status_code == 404
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, words",
     [
