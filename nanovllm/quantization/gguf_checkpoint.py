@@ -9,7 +9,8 @@ package reads the file (pip install 'nano-vllm[gguf]'); the kernels are ours:
            mins m, 128 bytes of 4-bit q                          w = d sc * q - dmin m
 
 are int4.py's format with groups of 32 (scale, offset: d and -8 d; d sc and -dmin m, products
-in float32 as ggml forms them), loaded without a float copy of the values (loading.py); a layer
+in float32 as ggml forms them), never dequantized: loading.py passes the 4-bit values through
+each layer's weight loader and packs them for the kernel; a layer
 whose parts are all of these types runs the int4 kernel. F32, F16 and BF16 tensors load as
 they are. A linear layer of every other type (Q8_0, Q6_K, ...: some v and down projections of a
 Q4_K_M file), or whose fused parts mix types, is dequantized by gguf-py and requantized to int8
