@@ -55,8 +55,9 @@ PROMPTS = [list(range(3, 3 + n)) for n in (4, 11, 23)]
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_the_native_step_decodes_as_the_eager_model(families, quantization):
-    """Every dense family: greedy tokens and logprobs equal the eager engine's (their GEMMs sum
-    in another order: within 1e-4), batches of 1 to 3 rows; float32 tokens equal transformers'."""
+    """Every dense family: greedy tokens and logprobs equal the eager engine's (their GEMMs, the
+    LM head's too, sum in another order: within 1e-4), batches of 1 to 3 rows; float32 tokens
+    equal transformers'."""
     native_library(cpu_step.load)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for name, path in families.items():
@@ -66,6 +67,7 @@ def test_the_native_step_decodes_as_the_eager_model(families, quantization):
             assert runner is None, name  # MoE layers run the eager model
             continue
         assert isinstance(runner, NativeDecodeStep) and runner.step is None  # closed
+        assert not runner.eager_head  # the LM head ran inside the step too
         _, eager = _generate(path, PROMPTS, params, enforce_eager=True, **kwargs)
         for a, b in zip(native, eager):
             assert a.token_ids == b.token_ids, name

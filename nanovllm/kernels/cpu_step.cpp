@@ -1,6 +1,6 @@
 // A dense decoder's decode step on a CPU in one call (kernels/cpu_step.py launches it): the
-// token embedding, every layer and the final RMSNorm for a few rows, as the eager model runs
-// them (models/decoder.py), with no PyTorch op between. What the eager layers call natively
+// token embedding, every layer, the final RMSNorm and the LM head for a few rows, as the eager
+// model runs them (models/decoder.py), with no PyTorch op between. What the eager layers call natively
 // (RMSNorm, rotary, paged decode attention, the int8 and int4 GEMMs) it calls through the same
 // libraries' functions, handed over as pointers; what it adds is the float32 GEMM of a few rows
 // (`f32_linear`, also exported for the LM head), SwiGLU's gate and the KV-cache store.
@@ -8,7 +8,7 @@
 //   x = embed[id];  per layer:  h = norm(x (+ residual));  qkv = h Wqkv^T (+ b)
 //       q, k = rotary(q_norm(q), k_norm(k));  cache[slot] = k, v;  a = attention(q)
 //       h, residual = norm(a Wo^T (+ b) + residual);  x = (silu(g) * u)(h Wgu^T) Wd^T
-//   hidden = norm(x + residual)
+//   hidden = norm(x + residual);  logits = hidden Whead^T   (or the hidden states, without a head)
 //
 // Float32 activations and KV cache; a linear's weight is float32 [N, K] row-major, int8
 // panels with per-channel scales (cpu_int8.cpp's layout) or int4 panels with their groups'
@@ -158,6 +158,7 @@ struct Model {
   const float* rope;        // [max_position, 2, head_dim]: (cos | cos), (-sin | sin)
   int64_t max_position;
   const Layer* layers;
+  Linear head;  // the LM head [vocab, hidden]; its weight null: the step ends at the hidden states
   RmsNorm rms_norm;
   Rotary rotary;
   PagedDecode paged_decode;
@@ -201,24 +202,25 @@ extern "C" void nanovllm_f32_linear(const float* x, const float* w, const float*
   f32_linear(x, w, b, y, rows, n, k, num_threads);
 }
 
-// Returns -1, or the row whose position is outside the rotary cache (nothing is valid then).
+// out: [rows, vocab] logits, or [rows, hidden] hidden states without a head. Returns -1, or
+// the row whose position is outside the rotary cache (nothing is valid then).
 extern "C" int64_t nanovllm_decoder_step(const Model* model, const int64_t* ids,
                                          const int64_t* positions, const int64_t* slots,
                                          const int32_t* block_tables, int64_t table_stride,
-                                         const int32_t* context_lens, int64_t rows,
-                                         float* hidden, int threads) {
+                                         const int32_t* context_lens, int64_t rows, float* out,
+                                         int threads) {
   const Model& m = *model;
   const int64_t h = m.hidden, dim = m.head_dim, q_size = m.heads * dim, kv_size = m.kv_heads * dim;
   const int64_t qkv_size = q_size + 2 * kv_size, inter = m.layers[0].gate_up.out / 2;
   for (int64_t r = 0; r < rows; ++r)
     if (positions[r] < 0 || positions[r] >= m.max_position) return r;
   thread_local std::vector<float> work;
-  work.resize(rows * (3 * h + qkv_size + 3 * q_size + 2 * kv_size + 3 * inter));
+  work.resize(rows * (4 * h + qkv_size + 3 * q_size + 2 * kv_size + 3 * inter));
   float *x = work.data(), *residual = x + rows * h, *normed = residual + rows * h;
   float *qkv = normed + rows * h, *q = qkv + rows * qkv_size, *k = q + rows * q_size;
   float *qk = k + rows * kv_size, *attn = qk + rows * (q_size + kv_size);
   float* gate_up = attn + rows * q_size;
-  float* act = gate_up + rows * 2 * inter;
+  float *act = gate_up + rows * 2 * inter, *hidden = act + rows * inter;
   for (int64_t r = 0; r < rows; ++r) std::memcpy(x + r * h, m.embed + ids[r] * h, h * 4);
   for (int i = 0; i < m.num_layers; ++i) {
     const Layer& l = m.layers[i];
@@ -257,6 +259,11 @@ extern "C" int64_t nanovllm_decoder_step(const Model* model, const int64_t* ids,
     silu_and_mul(gate_up, act, rows, inter);
     linear(m, l.down, act, x, rows, threads);
   }
+  if (m.head.weight == nullptr) {
+    norm(m, x, h, residual, m.final_norm, out, residual, rows, 1, h, threads);
+    return -1;
+  }
   norm(m, x, h, residual, m.final_norm, hidden, residual, rows, 1, h, threads);
+  linear(m, m.head, hidden, out, rows, threads);
   return -1;
 }

@@ -7,8 +7,10 @@ another order than F.linear's. Built at first use and loaded with ctypes (kernel
 `load()` is None, with one warning, where it cannot be, and `usable()` is False where one of the
 libraries the step calls cannot be.
 
-    step = DecoderStep(library, shape, embed, final_norm, rope, layers)
-    hidden = step(input_ids, positions, slot_mapping, block_tables, context_lens)
+    step = DecoderStep(library, shape, embed, final_norm, rope, layers, head)
+    logits = step(input_ids, positions, slot_mapping, block_tables, context_lens)
+
+(with head=None the step ends at the final norm's hidden states).
 """
 
 import ctypes
@@ -57,6 +59,7 @@ class _Model(ctypes.Structure):
         *((name, _PTR) for name in ("embed", "final_norm", "rope")),
         ("max_position", _I64),
         ("layers", ctypes.POINTER(_Layer)),
+        ("head", _Linear),
         *((name, _PTR) for name in ("rms_norm", "rotary", "paged_decode")),
         *((name, _PTR) for name in ("int8_linear", "int4_linear")),
     ]
@@ -179,10 +182,14 @@ class DecoderStep:
         final_norm: torch.Tensor,
         rope: torch.Tensor,
         layers: list[Layer],
+        head: Linear | None = None,
     ):
-        self.library, self.tensors = library, (embed, final_norm, rope, layers)
+        self.library, self.tensors = library, (embed, final_norm, rope, layers, head)
         self.hidden = embed.shape[1]
+        self.width = self.hidden if head is None else _linear(head).out  # a row of the output
         linears = [linear for layer in layers for linear in layer[:4]]
+        if head is not None:
+            linears.append(head)
         int8 = any(linear.scale is not None for linear in linears)
         int4 = None
         if any(linear.group_size > 0 for linear in linears):  # imported only with int4 weights
@@ -213,6 +220,7 @@ class DecoderStep:
             rope.data_ptr(),
             rope.shape[0],
             self.layers,
+            _Linear() if head is None else _linear(head),
             _address(cpu_ops.load(), "nanovllm_rms_norm"),
             _address(cpu_ops.load(), "nanovllm_rotary"),
             _address(cpu_decode.load(), "nanovllm_paged_decode"),
@@ -229,9 +237,10 @@ class DecoderStep:
         context_lens: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions, slot_mapping [rows] int64; block_tables [rows, width] and
-        context_lens [rows] int32 (the step's decode metadata) -> hidden [rows, hidden]."""
+        context_lens [rows] int32 (the step's decode metadata) -> logits [rows, vocab] (hidden
+        states [rows, hidden] without a head)."""
         rows = input_ids.shape[0]
-        hidden = torch.empty(rows, self.hidden)
+        out = torch.empty(rows, self.width)
         bad = self.library.nanovllm_decoder_step(
             ctypes.byref(self.model),
             input_ids.data_ptr(),
@@ -241,7 +250,7 @@ class DecoderStep:
             block_tables.stride(0),
             context_lens.data_ptr(),
             rows,
-            hidden.data_ptr(),
+            out.data_ptr(),
             torch.get_num_threads(),
         )
         if bad >= 0:
@@ -249,7 +258,7 @@ class DecoderStep:
                 f"position {int(positions[bad])} is outside the rotary cache's "
                 f"{self.model.max_position}"
             )
-        return hidden
+        return out
 
 
 def usable() -> bool:

@@ -46,7 +46,8 @@ class FastDecode(Protocol):
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """The final hidden states [num_rows, hidden] of a decode-only step."""
+        """The logits [num_rows, vocab] of a decode-only step (rank 0's; None on the others),
+        as the model's compute_logits() returns them."""
         ...
 
     def close(self) -> None: ...

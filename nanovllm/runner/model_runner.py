@@ -264,10 +264,8 @@ class ModelRunner:
         fast = self.fast_decode
         with attention_context(ctx):
             if ctx.prefill is None and fast is not None and fast.can_run(len(input_ids)):
-                hidden_states = fast.run(input_ids, positions, ctx)
-            else:
-                hidden_states = self.model(input_ids, positions)
-            return self.model.compute_logits(hidden_states)
+                return fast.run(input_ids, positions, ctx)
+            return self.model.compute_logits(self.model(input_ids, positions))
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         """Rank 0: a token per sequence from its last logits row; logprobs where asked."""

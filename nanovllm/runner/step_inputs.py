@@ -78,12 +78,15 @@ def _slot_mapping(
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:
-    """[num_seqs, width] int32, padded with -1: the tables' bytes joined, spread by a mask."""
-    lens = np.fromiter([len(seq.block_table) for seq in seqs], np.int64, len(seqs))
+    """[num_seqs, width] int32, padded with -1: the tables' bytes joined, spread by a mask (or,
+    every table as long, as they are: a single stream's)."""
+    joined = bytearray(b"".join([seq.block_table for seq in seqs]))
+    lens = [len(seq.block_table) for seq in seqs]
+    if min(lens) == max(lens):
+        return np.frombuffer(joined, np.intc).reshape(len(seqs), lens[0])
+    lens = np.array(lens)
     padded = np.full((len(seqs), lens.max()), -1, np.int32)
-    padded[np.arange(padded.shape[1]) < lens[:, None]] = np.frombuffer(
-        b"".join([seq.block_table for seq in seqs]), np.intc
-    )
+    padded[np.arange(padded.shape[1]) < lens[:, None]] = np.frombuffer(joined, np.intc)
     return padded
 
 

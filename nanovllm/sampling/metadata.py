@@ -8,6 +8,7 @@ import torch
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.device import list_to_device
+from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.sampling.filters import Filters
@@ -37,8 +38,8 @@ class LogitsHook(Protocol):
 class SamplingMetadata:
     """Per-row settings of a batch of B rows, on the logits' device."""
 
-    temperatures: torch.Tensor  # [B] float32; greedy rows hold 1.0
-    greedy: torch.Tensor | None = None  # [B] bool; None when no row is greedy
+    temperatures: torch.Tensor | None = None  # [B] float32, greedy rows 1.0; None: all greedy
+    greedy: torch.Tensor | None = None  # [B] bool; None when no row, or every row, is greedy
     all_greedy: bool = False
     bias: tuple[torch.Tensor, ...] | None = None  # [N] rows, [N] token ids, [N] float32 to add
     penalties: "Penalties | None" = None  # penalties.py
@@ -66,19 +67,7 @@ class SamplingMetadataBuilder:
         all_params = [seq.sampling_params for seq in seqs]
         distinct = {id(p): p for p in all_params}  # each SamplingParams once, first seen first
         params = list(distinct.values())
-        if len(params) == 1:  # no per-row lookups
-            row_params = np.zeros(len(seqs), np.int64)
-        else:
-            index = {key: i for i, key in enumerate(distinct)}
-            row_params = np.array([index[id(p)] for p in all_params])
-        greedy = np.array([p.is_greedy for p in params])[row_params]
-        temperatures = np.array([1.0 if p.is_greedy else p.temperature for p in params])
-        m = SamplingMetadata(
-            temperatures=self.put(temperatures.astype(np.float32)[row_params]),
-            all_greedy=bool(greedy.all()),
-        )
-        if greedy.any():
-            m.greedy = self.put(greedy)
+        m = SamplingMetadata(all_greedy=all(p.is_greedy for p in params))
         if any(p.min_tokens or p.logit_bias for p in params):
             from nanovllm.sampling.bias import build_bias
 
@@ -88,16 +77,33 @@ class SamplingMetadataBuilder:
         if self.logits_hooks:
             masks = (hook.build(seqs) for hook in self.logits_hooks)
             m.masks = tuple(mask for mask in masks if mask is not None)
-        if not m.all_greedy:
-            if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-                from nanovllm.sampling.filters import build_filters
-
-                m.filters = build_filters(params, row_params, ~greedy, self.vocab_size, self.put)
-            if any(p.seed is not None for p in params):
-                from nanovllm.sampling.seeded import seeded_rows
-
-                m.seeds = seeded_rows(seqs, ~greedy, self.put)
+        if not m.all_greedy:  # an argmax alone needs no per-row settings
+            self._sampled_rows(m, seqs, params)
         return m
+
+    def _sampled_rows(
+        self, m: SamplingMetadata, seqs: list[Sequence], params: list[SamplingParams]
+    ) -> None:
+        """A batch with rows to sample: each row's temperature, which rows are greedy, and the
+        filters and seeds its rows ask for (`params`: the batch's distinct SamplingParams)."""
+        if len(params) == 1:  # no per-row lookups
+            row_params = np.zeros(len(seqs), np.int64)
+        else:
+            index = {id(p): i for i, p in enumerate(params)}
+            row_params = np.array([index[id(seq.sampling_params)] for seq in seqs])
+        greedy = np.array([p.is_greedy for p in params])[row_params]
+        temperatures = np.array([1.0 if p.is_greedy else p.temperature for p in params])
+        m.temperatures = self.put(temperatures.astype(np.float32)[row_params])
+        if greedy.any():
+            m.greedy = self.put(greedy)
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            from nanovllm.sampling.filters import build_filters
+
+            m.filters = build_filters(params, row_params, ~greedy, self.vocab_size, self.put)
+        if any(p.seed is not None for p in params):
+            from nanovllm.sampling.seeded import seeded_rows
+
+            m.seeds = seeded_rows(seqs, ~greedy, self.put)
 
     def put(self, data: list | np.ndarray) -> torch.Tensor:
         return list_to_device(data, self.device)

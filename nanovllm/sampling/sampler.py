@@ -42,9 +42,9 @@ class Sampler(nn.Module):
             m.penalties.apply(logits)
         for mask in m.masks:  # the logits hooks' (structured outputs': the grammars')
             mask.apply(logits)
-        greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
         if m.all_greedy:
-            return greedy_ids
+            return logits.argmax(dim=-1)
+        greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
         logits.div_(m.temperatures[:, None])
         if m.filters is not None:
             logits = m.filters.apply(logits)

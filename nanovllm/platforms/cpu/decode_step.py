@@ -1,7 +1,8 @@
 """A CPU's decode step in one native call (kernels/cpu_step.py), its counterpart of the CUDA
-graphs (a FastDecode, platforms/interface.py): the embedding, every layer and the final norm of
-a dense decoder (Qwen3, Qwen2, Llama, Mistral) for small decode batches (max_rows()), with no
-PyTorch op between. Its linears read float32 weights or int8 or int4 ones (their formats' own
+graphs (a FastDecode, platforms/interface.py): the embedding, every layer, the final norm and
+the LM head of a dense decoder (Qwen3, Qwen2, Llama, Mistral) for small decode batches
+(max_rows()), with no PyTorch op between (a head whose format the step cannot read runs after
+it, eagerly). Its linears read float32 weights or int8 or int4 ones (their formats' own
 `native_linear`, layers of each kind mixed); a weight format without it, prefill chunks, larger
 batches, MoE, tensor parallelism, half precision and enforce_eager run the eager model. In
 a small model's decode step most of the time went to the PyTorch ops around each layer's GEMVs
@@ -55,6 +56,7 @@ class NativeDecodeStep:
     def __init__(self, model: DecoderForCausalLM, block_size: int, max_rows: int):
         self.model, self.block_size, self.max_rows = model, block_size, max_rows
         self.step: cpu_step.DecoderStep | None = None
+        self.eager_head = False  # the LM head's format is not one the step reads
 
     def capture(self) -> None:
         """Hand the C++ the weights' and the KV cache's addresses (once the cache is bound)."""
@@ -70,7 +72,9 @@ class NativeDecodeStep:
         layers = [self._layer(layer) for layer in decoder.layers]
         rope = first.rotary_emb.cos_sin_cache
         embed, norm = decoder.embed_tokens.weight, decoder.norm.weight
-        self.step = cpu_step.DecoderStep(cpu_step.load(), shape, embed, norm, rope, layers)
+        head = _linear(self.model.lm_head)
+        self.step = cpu_step.DecoderStep(cpu_step.load(), shape, embed, norm, rope, layers, head)
+        self.eager_head = head is None
 
     def _layer(self, layer: nn.Module) -> cpu_step.Layer:
         attn = layer.self_attn
@@ -88,11 +92,12 @@ class NativeDecodeStep:
         return self.step is not None and rows <= self.max_rows
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
-        """The final hidden states [rows, hidden] of a decode-only step."""
+        """The logits [rows, vocab] of a decode-only step."""
         meta = ctx.decode
-        return self.step(
+        out = self.step(
             input_ids, positions, ctx.slot_mapping, meta.block_tables, meta.context_lens
         )
+        return self.model.compute_logits(out) if self.eager_head else out
 
     def close(self) -> None:
         self.step = None
@@ -103,6 +108,8 @@ def max_rows(model: DecoderForCausalLM, linears: list[cpu_step.Linear]) -> int:
     also no more than its format runs its kernel for (int4.py's KERNEL_MAX_ROWS: 8 rows with
     plain loops)."""
     formats = [linear.weight_format for layer in model.model.layers for linear in _linears(layer)]
+    if (head := _linear(model.lm_head)) is not None:  # the step runs it too
+        linears, formats = [*linears, head], [*formats, model.lm_head.weight_format]
     limits = []
     for linear, weight_format in zip(linears, formats):
         if linear.group_size or linear.scale is not None:
@@ -128,11 +135,12 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def _linear(layer: nn.Module) -> cpu_step.Linear | None:
-    """What the step reads of a linear: its float32 weight (F.linear's, or oneDNN's packed copy
-    beside it), or what its weight format hands the step (`native_linear(bias)`: the int8 or
-    int4 kernel's panels, quantization/); None for a format without it."""
-    weight_format = layer.weight_format
+    """What the step reads of a linear (or of the LM head, which has no bias): its float32
+    weight (F.linear's, or oneDNN's packed copy beside it), or what its weight format hands the
+    step (`native_linear(bias)`: the int8 or int4 kernel's panels, quantization/); None for a
+    format without it."""
+    weight_format, bias = layer.weight_format, getattr(layer, "bias", None)
     if weight_format is None or isinstance(weight_format, PackedWeight):
-        return cpu_step.Linear(layer.weight, layer.bias)
+        return cpu_step.Linear(layer.weight, bias)
     native = getattr(weight_format, "native_linear", None)
-    return None if native is None else native(layer.bias)
+    return None if native is None else native(bias)

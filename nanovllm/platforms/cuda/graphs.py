@@ -110,12 +110,13 @@ class CUDAGraphRunner:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """Hidden states [n, hidden_size]: a view of the output buffer, valid until a replay."""
+        """The logits [n, vocab] (rank 0's), of the hidden states the graph left in its output
+        buffer."""
         n = input_ids.shape[0]
         size = self.batch_sizes[bisect_left(self.batch_sizes, n)]
         self.load(input_ids, positions, ctx, size)
         self.graphs[size].replay()
-        return self.outputs[:n]
+        return self.model.compute_logits(self.outputs[:n])
 
     def close(self) -> None:
         for graph in self.graphs.values():
