@@ -64,6 +64,33 @@ def test_threads_waiting_for_the_cpu_go_down_to_one_then_back_when_cores_idle(go
 def test_the_governor_looks_every_window_of_steps(governor, monkeypatch):
     seen = []
     monkeypatch.setattr(governor, "observe", seen.append)
+    monkeypatch.setattr(cpu_threads.time, "perf_counter", lambda: governor.since.wall)  # no time
     for _ in range(cpu_threads.WINDOW * 3):
         governor.after_step()
     assert len(seen) == 3 and all(isinstance(s, Sample) for s in seen)
+
+
+def test_a_step_longer_than_the_window_is_looked_at_right_after(governor, monkeypatch):
+    """A long prefill step: the look comes after it, not WINDOW steps later; while reduced, the
+    probe's period in seconds holds as well."""
+    clock = [governor.since.wall]
+    seen = []
+
+    def observe(sample):
+        seen.append(sample)
+        governor.since = sample._replace(wall=clock[0])
+
+    monkeypatch.setattr(governor, "observe", observe)
+    monkeypatch.setattr(cpu_threads.time, "perf_counter", lambda: clock[0])
+    governor.after_step()
+    assert seen == []  # a fast step
+    clock[0] += 1.5 * cpu_threads.WINDOW_SECONDS
+    governor.after_step()
+    assert len(seen) == 1
+    governor.reduced = True
+    clock[0] += cpu_threads.WINDOW_SECONDS
+    governor.after_step()
+    assert len(seen) == 1  # the probe waits longer
+    clock[0] += cpu_threads.PROBE_SECONDS
+    governor.after_step()  # 0.5 s + a window since the last look
+    assert len(seen) == 2

@@ -116,9 +116,14 @@ _logged: set[ThreadChoice] = set()
 
 # -- fewer threads while the CPU is shared ----------------------------------------------------
 
+# A look comes after so many steps or so many seconds since the last, whichever is first: a
+# step may take a millisecond (a small model's decode) or seconds (a long prefill, where a short
+# run spends most of its time; counting steps alone, the first look came after it).
 WINDOW = 8  # steps between two looks at the threads' waits, on all threads
+WINDOW_SECONDS = 0.1
 SHARED = 0.25  # seconds waited for a CPU per second of wall time that mean a shared machine
 PROBE = 32  # steps between two looks at the machine's idle time, on one thread
+PROBE_SECONDS = 0.5
 FREE = 0.8  # the share of the given-up cores that must be idle to take them back
 
 
@@ -139,8 +144,12 @@ class ThreadGovernor:
         self.since = self.sample()  # None where /proc cannot be read: nothing is governed
 
     def after_step(self) -> None:
+        if self.since is None:
+            return
         self.steps += 1
-        if self.since is not None and self.steps % (PROBE if self.reduced else WINDOW) == 0:
+        steps, seconds = (PROBE, PROBE_SECONDS) if self.reduced else (WINDOW, WINDOW_SECONDS)
+        if self.steps >= steps or time.perf_counter() - self.since.wall >= seconds:
+            self.steps = 0  # steps since the last look
             self.observe(self.sample())
 
     def sample(self) -> Sample | None:
