@@ -19,16 +19,25 @@ from nanovllm.utils import Scoped
 
 class HotOp:
     """A pure function (`@HotOp`) and its compiled twin, made on first demand. Called directly,
-    it is the eager function; `name` is the function's."""
+    it is the eager function; `name` is the function's. `@HotOp.uncompiled`: one op that
+    torch.compile has nothing to fuse into, whose compiled twin is itself (a platform may still
+    have a native one)."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, compiles: bool = True):
         self.eager, self.name = fn, fn.__name__
+        self.compiles = compiles
         self._compiled: Callable | None = None
+
+    @classmethod
+    def uncompiled(cls, fn: Callable) -> "HotOp":
+        return cls(fn, compiles=False)
 
     def __call__(self, *args, **kwargs):
         return self.eager(*args, **kwargs)
 
     def compiled(self) -> Callable:
+        if not self.compiles:
+            return self.eager
         self._compiled = self._compiled or torch.compile(self.eager)
         return self._compiled
 

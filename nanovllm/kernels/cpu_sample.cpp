@@ -17,6 +17,12 @@
 // sum ends a rounding short of the target (its chunk sum was added in another order), the
 // chunk's last token of weight > 0 is drawn, the token the target is on up to that rounding.
 // Rows are split over the threads asked for.
+//
+// And a greedy row's token (nanovllm_argmax): the index of its largest logit, the first of
+// ties, a NaN counting as the largest (torch.argmax's answer, bit for bit), where torch's CPU
+// argmax compares one element at a time (~0.8 ns each: 2 ms for 16 rows of a 151,936-token
+// vocabulary). Per row, a vectorized max and NaN test over each chunk, then one scalar scan of
+// the chunk that holds the answer.
 #include <cstdint>
 
 #include "cpu_exp.h"  // exp_nonpositive
@@ -62,7 +68,40 @@ int64_t sample_row(const float* x, int vocab, double u, double* sums) {
   return static_cast<int64_t>(c) * CHUNK + last;
 }
 
+// The first index of a row's largest value (of its first NaN, if it has one).
+int64_t argmax_row(const float* x, int vocab) {
+  float top = NEG_INF;
+  int best = 0;  // the chunk that first reached `top`; an all -inf row: token 0
+  for (int c = 0; c * CHUNK < vocab; ++c) {
+    const float* chunk = x + c * CHUNK;
+    const int n = vocab - c * CHUNK < CHUNK ? vocab - c * CHUNK : CHUNK;
+    float chunk_top = NEG_INF;
+    int nan = 0;  // an int's | (a bool's || would not vectorize)
+#pragma omp simd reduction(max : chunk_top) reduction(| : nan)
+    for (int t = 0; t < n; ++t) {
+      chunk_top = chunk[t] > chunk_top ? chunk[t] : chunk_top;
+      nan |= chunk[t] != chunk[t];
+    }
+    if (nan) {
+      int t = 0;
+      while (chunk[t] == chunk[t]) ++t;
+      return static_cast<int64_t>(c) * CHUNK + t;
+    }
+    if (chunk_top > top) top = chunk_top, best = c;
+  }
+  const float* chunk = x + best * CHUNK;
+  int t = 0;
+  while (chunk[t] != top) ++t;  // within the chunk: it reached `top`
+  return static_cast<int64_t>(best) * CHUNK + t;
+}
+
 }  // namespace
+
+extern "C" void nanovllm_argmax(const float* logits, int rows, int vocab, int64_t* out,
+                                int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+  for (int i = 0; i < rows; ++i) out[i] = argmax_row(logits + static_cast<int64_t>(i) * vocab, vocab);
+}
 
 extern "C" void nanovllm_sample(const float* logits, int rows, int vocab, const double* u,
                                 int64_t* out, int num_threads) {

@@ -1,6 +1,7 @@
 """The CPU's draw from softmax(logits) (cpu_sample.cpp) and its launcher: per row, the first
 token whose float64 CDF reaches u * total, without writing a [rows, vocab] probability or
-CDF (row max, exp in 64-token chunks with float64 chunk sums, the chosen chunk rescanned).
+CDF (row max, exp in 64-token chunks with float64 chunk sums, the chosen chunk rescanned); and a
+greedy row's token, torch.argmax's, vectorized.
 Built at first use and loaded with ctypes (kernels/cpu_build.py); `load()` is None, with one
 warning, where it cannot be built."""
 
@@ -26,6 +27,8 @@ def load() -> ctypes.CDLL | None:
     if library is not None:
         library.nanovllm_sample.argtypes = (_PTR, _INT, _INT, _PTR, _PTR, _INT)
         library.nanovllm_sample.restype = None
+        library.nanovllm_argmax.argtypes = (_PTR, _INT, _INT, _PTR, _INT)
+        library.nanovllm_argmax.restype = None
     return library
 
 
@@ -37,5 +40,15 @@ def sample(library: ctypes.CDLL, logits: torch.Tensor, u: torch.Tensor) -> torch
     out = torch.empty(len(logits), dtype=torch.int64)
     library.nanovllm_sample(
         logits.data_ptr(), *logits.shape, u.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def argmax(library: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, vocab] float32, contiguous on the CPU (unchecked: the caller's) -> [B] int64:
+    torch.argmax(logits, dim=-1)."""
+    out = torch.empty(len(logits), dtype=torch.int64)
+    library.nanovllm_argmax(
+        logits.data_ptr(), *logits.shape, out.data_ptr(), torch.get_num_threads()
     )
     return out

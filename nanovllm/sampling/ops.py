@@ -1,7 +1,8 @@
 """The draw from softmax(logits), in plain PyTorch on any device: the exponential race,
 argmax(p / E) with E ~ Exp(1) iid per token, which draws exactly from p. It is a hot op: CUDA
 compiles it into one pass, a CPU's platform draws by the inverse CDF instead
-(platforms/cpu/ops.py, over inverse_cdf_index's search). Filters, penalties and seeded rows have
+(platforms/cpu/ops.py, over inverse_cdf_index's search). A greedy row's argmax is a hot op too:
+a CPU's is native (torch's compares one logit at a time). Filters, penalties and seeded rows have
 modules of their own (filters.py, penalties.py, seeded.py)."""
 
 import torch
@@ -14,6 +15,12 @@ def softmax_race(logits: torch.Tensor) -> torch.Tensor:
     """[B, vocab] logits -> [B] token ids drawn from softmax(logits), unseeded."""
     probs = torch.softmax(logits, dim=-1)
     return (probs / unseeded_noise(probs)).argmax(dim=-1)
+
+
+@HotOp.uncompiled
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] logits -> [B] the token of each row's largest logit (the first of ties)."""
+    return logits.argmax(dim=-1)
 
 
 def inverse_cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

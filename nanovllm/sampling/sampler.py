@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nanovllm.sampling.metadata import SamplingMetadata
-from nanovllm.sampling.ops import softmax_race
+from nanovllm.sampling.ops import greedy_ids, softmax_race
 
 
 class SamplerOutput(NamedTuple):
@@ -30,6 +30,7 @@ class Sampler(nn.Module):
     def __init__(self):
         super().__init__()
         self._draw = softmax_race.select()  # the platform's: compiled on CUDA, a CPU's own
+        self._argmax = greedy_ids.select()  # torch's, or a CPU's own
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [B, vocab] -> token ids [B]. The logits are overwritten."""
@@ -43,8 +44,8 @@ class Sampler(nn.Module):
         for mask in m.masks:  # the logits hooks' (structured outputs': the grammars')
             mask.apply(logits)
         if m.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_ids = None if m.greedy is None else logits.argmax(dim=-1)
+            return self._argmax(logits)
+        greedy = None if m.greedy is None else self._argmax(logits)
         logits.div_(m.temperatures[:, None])
         if m.filters is not None:
             logits = m.filters.apply(logits)
@@ -52,4 +53,4 @@ class Sampler(nn.Module):
             sampled = m.seeds.sample(logits)
         else:
             sampled = self._draw(logits)
-        return sampled if greedy_ids is None else torch.where(m.greedy, greedy_ids, sampled)
+        return sampled if greedy is None else torch.where(m.greedy, greedy, sampled)

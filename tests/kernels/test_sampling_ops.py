@@ -202,3 +202,31 @@ def test_native_draw_is_the_same_on_one_and_two_threads():
     logits[torch.rand(67, 3000, generator=gen) < 0.3] = float("-inf")
     u = 1 - torch.rand(67, 1, dtype=F64, generator=gen)
     assert torch.equal(native_draw(logits, u, 1), native_draw(logits, u, 2))
+
+
+@pytest.mark.parametrize("vocab", [1, C - 1, C, C + 1, 3 * C + 5])
+def test_native_argmax_is_torchs_ties_nan_and_infinities_included(vocab):
+    """cpu_sample.argmax against torch.argmax, index for index: ties (the first wins, at and
+    across chunk edges), a NaN (the first NaN wins), -inf and +inf, rows all -inf; on one
+    thread and on two."""
+    library = native_library(cpu_sample.load)
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 3, (12, vocab), generator=gen).float()  # many ties
+    logits[1] = float("-inf")
+    logits[2, -1] = float("inf")
+    logits[3, vocab // 2] = float("nan")
+    logits[3, -1] = float("nan")
+    logits[4, :] = 7.0
+    logits[5, min(C, vocab - 1)] = 9.0  # a chunk's first
+    logits[5, vocab - 1] = 9.0
+    logits[6, min(C - 1, vocab - 1)] = 9.0  # a chunk's last
+    logits[7, 0] = float("nan")
+    logits[8, -1] = 100.0  # the tail's last
+    logits[9] = torch.randn(vocab, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu_sample.argmax(library, logits), logits.argmax(dim=-1)), threads
+    finally:
+        torch.set_num_threads(before)

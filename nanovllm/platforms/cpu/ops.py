@@ -1,6 +1,7 @@
 """A CPU's hot ops (compilation.py): native twins of the eager ones, one C++ call each instead of
 PyTorch's 5-10 small ops (kernels/cpu_ops.py: RMSNorm, RMSNorm after the residual add, rotary,
-bit-equal to the eager ops), and the sampler's draw by the inverse CDF (kernels/cpu_sample.py).
+bit-equal to the eager ops), and the sampler's draw by the inverse CDF and its argmax
+(kernels/cpu_sample.py).
 Where a twin's C++ cannot run (no compiler, a dtype or layout it does not cover) it calls the
 eager op. SiLU-and-mul and an MoE layer's experts stay eager."""
 
@@ -13,7 +14,7 @@ from nanovllm.compilation import HotOp
 from nanovllm.kernels import cpu_decode, cpu_lora, cpu_ops, cpu_sample
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary_emb
-from nanovllm.sampling.ops import inverse_cdf_index, softmax_race
+from nanovllm.sampling.ops import greedy_ids, inverse_cdf_index, softmax_race
 
 
 def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,14 @@ def inverse_cdf(logits: torch.Tensor) -> torch.Tensor:
     if library is None:
         return inverse_cdf_index(torch.softmax(logits, dim=-1), u)
     return cpu_sample.sample(library, logits, u)
+
+
+def native_greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """greedy_ids in cpu_sample.cpp where it builds (float32 logits), else torch's argmax."""
+    library = cpu_sample.load() if logits.dtype == torch.float32 else None
+    if library is None:
+        return greedy_ids.eager(logits)
+    return cpu_sample.argmax(library, logits.contiguous())
 
 
 # Rows up to which a LoRA layer's adapters run in one C++ call; more (a prefill chunk) run the
@@ -52,6 +61,7 @@ NATIVE: dict[HotOp, Callable] = {
     add_rms_norm: partial(cpu_ops.add_rms_norm, add_rms_norm.eager),
     apply_rotary_emb: partial(cpu_ops.apply_rotary_emb, apply_rotary_emb.eager),
     softmax_race: inverse_cdf,
+    greedy_ids: native_greedy_ids,
 }
 
 
