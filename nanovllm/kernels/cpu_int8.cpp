@@ -338,14 +338,14 @@ bool to_digits(const T* x, int64_t K, int8_t* digits, int64_t stride, int32_t* o
                float* step) {
   for (int64_t k0 = 0, j = 0; k0 < K; k0 += X_BLOCK, ++j) {
     const int64_t n = std::min<int64_t>(X_BLOCK, K - k0);
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t k = k0; k < k0 + n; ++k) {
-      const float v = std::fabs(widen(x[k]));
-      finite &= v <= 3.4028235e38f;  // false for inf and NaN
-      amax = std::max(amax, v);
-    }
-    if (!finite) return false;
+    // The largest |x| by its bits, which order as |x| does (a loop of integer maxima that GCC
+    // vectorizes; a float one it did not: a quarter of a 1-row call's time at K = 256). An inf's
+    // or a NaN's bits are 0x7f800000 or more.
+    uint32_t top = 0;
+    for (int64_t k = k0; k < k0 + n; ++k)
+      top = std::max(top, __builtin_bit_cast(uint32_t, widen(x[k])) & 0x7fffffffu);
+    if (top >= 0x7f800000u) return false;
+    const float amax = __builtin_bit_cast(float, top);
     int exponent;  // amax = f 2^exponent, f in [0.5, 1)
     std::frexp(amax, &exponent);
     exponent = std::max(exponent, MIN_EXPONENT);
