@@ -443,7 +443,10 @@ ALWAYS_INLINE void dot_quad(__m512i (&sums)[3][MR][4], const int8_t* w, const in
 }
 
 // One tile: rows [m0, m0 + MR) of x against a panel (at w), block by block; each block's d is
-// added to totals [MR][64] (the panel's channels in the lanes' order).
+// added to totals [MR][64] (the panel's channels in the lanes' order). No prefetches: the FMA
+// tile's (16 and 128 lines ahead) slowed it, 4-8% with the weights in L3 (a decode step of
+// cpu-small's GEMMs, 74 -> 72 us) and 5-15% from DRAM (0.6B's layers: 17-19 GB/s -> 19-23,
+// the hardware's prefetchers alone; the machine's other core busy).
 template <int MR>
 void vnni_tile(const Problem& p, const Digits& xd, const int8_t* __restrict w, int64_t m0,
                float* __restrict totals) {
@@ -463,11 +466,6 @@ void vnni_tile(const Problem& p, const Digits& xd, const int8_t* __restrict w, i
       if (k + 4 > n) {  // K's last 1-3 lines, then zeros (their digits are 0): none read past K
         std::memcpy(tail, lines, (n - k) * BLOCK);
         lines = tail;
-      }
-#pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) {
-        __builtin_prefetch(lines + (PREFETCH_L1 + l) * BLOCK);
-        __builtin_prefetch(lines + (PREFETCH_L2 + l) * BLOCK, 0, 2);
       }
       dot_quad<MR>(sums, lines, rows, k);
     }
