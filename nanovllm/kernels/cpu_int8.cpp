@@ -310,13 +310,15 @@ void gemm(const Problem& p, const T* x, T* y, int num_threads) {
 // AMD EPYC Zen 4, weights in L2/L3: cpu-small's layers 2.2-3.2x faster than the FMA tile (its
 // LM head, 4096 x 256, 58 -> 18 us; ~60 GB/s of int8, the dot products' rate), 0.6B's qkv
 // 4096 x 1024 204 -> 69 us; from 2 to 64 rows 1.3-1.45x faster than the FMA tiles. So it runs
-// at every row count below the AMX path's.
+// at every row count below the AMX path's. With the weights read from DRAM (0.6B's layers, the
+// machine's other core busy) both paths read at the memory's rate, 17-23 GB/s.
 constexpr int X_BLOCK = 256;  // input channels a block of x's fixed point (a multiple of 4)
 constexpr int32_t X_MAX = 127 * (1 + 256 + 65536);  // the largest |X| of three signed bytes
 constexpr int MIN_EXPONENT = -100;  // x blocks below 2^-100 share this step: 2^-124
-// From this many inputs on: below, a call's fixed costs outweigh the dot products, and x's
-// rounding (up to 2^-23 of the block's largest |x|) outweighs the float32 sum's own K + 2 roundings
-// of at most 2^-24 (at K = 1, x rounded to 23 bits is twice a float32 product's error).
+// From this many inputs on: below, x's rounding (up to 2^-23 of the block's largest |x|) is a
+// large share of the float32 sum's own error, K + 2 roundings of at most 2^-24 (at K = 1 twice
+// a float32 product's: tests/kernels/test_cpu_int8.py holds every path to the float32 bound),
+// and there are few products to gain on.
 constexpr int VNNI_MIN_K = 16;
 
 // x in fixed point, for the VNNI tiles.
