@@ -6,6 +6,7 @@ in turn (A B C A B C ...) within each measurement, medians over the rounds.
     python benchmarks/cpu_int8.py --cold        # M = 1 with the weights read from DRAM
     python benchmarks/cpu_int8.py --crossover   # where the kernel stops paying for prefill
     python benchmarks/cpu_int8.py --best        # fastest calls: 2 threads on a busy machine
+    python benchmarks/cpu_int8.py --flags=-mno-avx512vnni  # the float32 tiles on a VNNI CPU
     ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
         python benchmarks/cpu_int8.py --flags=-mno-avx512f  # all three as on an AVX2 CPU
 
@@ -210,9 +211,11 @@ def main() -> None:
     assert library is not None, "the int8 kernel did not build"
     dtype = getattr(torch, args.dtype)
     amx = library.nanovllm_int8_amx_rows(dtype == torch.bfloat16)
+    vnni = library.nanovllm_int8_vnni_inputs()
     print(
         f"{cpu_name()}, {os.cpu_count()} CPUs, int8 kernel: vectors of "
         f"{library.nanovllm_int8_vector_width()} floats, "
+        f"{f'x in fixed point (VNNI) from K = {vnni}' if vnni else 'no VNNI'}, "
         f"{f'AMX from {amx} rows' if amx else 'no AMX'}; x {args.dtype}, "
         f"{'best' if args.best else 'median'} of the rounds, {load()}"
     )

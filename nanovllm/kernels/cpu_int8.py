@@ -1,10 +1,13 @@
 """Int8 weight-only linear on a CPU (W8A16): symmetric per-output-channel int8 weights, float32
-or bfloat16 activations left as they are, y = x q^T * scale (+ bias) summed in float32
-(cpu_int8.cpp). Each weight is read as one byte and widened in registers, once for a tile of
-rows of x: nothing of the float weight is written back to memory (where the CPU has AMX, from
-6 rows of bfloat16 x or 12 of float32 on, a slice of a panel at a time is widened to bfloat16
-tiles in L1, x split exactly into bfloat16 parts). Built at first use and loaded with ctypes
-(kernels/cpu_build.py); `load()` is None, with one warning, where it cannot be.
+or bfloat16 activations, y = x q^T * scale (+ bias) (cpu_int8.cpp). Each weight is read as one
+byte: where the CPU has AVX-512 VNNI, x is written per block of 256 inputs in 24-bit fixed
+point and multiplied by the bytes in integer dot products, exact, summed in float32 once a
+block (from 16 inputs on); elsewhere each weight is widened to float32 in registers, once for a
+tile of rows of x, and the sums are float32 ones (where the CPU has AMX, from 6 rows of
+bfloat16 x or 12 of float32 on, a slice of a panel at a time is widened to bfloat16 tiles in
+L1, x split exactly into bfloat16 parts). Nothing of the float weight is written back to memory.
+Built at first use and loaded with ctypes (kernels/cpu_build.py); `load()` is None, with one
+warning, where it cannot be.
 
     qweight, scale = quantize(weight)          # [N, K] int8, [N] float32
     packed = pack(qweight)                     # [ceil(N / 64), K, 64] int8: the kernel's panels
