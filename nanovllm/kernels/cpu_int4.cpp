@@ -1,18 +1,30 @@
 // Group-quantized int4 weight-only GEMM on a CPU (W4A16): float32 or bfloat16 activations, 4-bit
-// weights with a float32 scale and offset per output channel and group of G input channels,
+// weights with a scale and offset per output channel and group of G input channels,
 //
 //   w[n, k] = scale[n, g] * q[n, k] + offset[n, g]     q in 0..15, g = k / G
 //   y[m, n] = sum_g scale[n, g] (x[m, g] . q[n, g]) + offset[n, g] sum(x[m, g])   (+ bias[n])
+//
+// in one of three forms, a field of the call (cpu_int4.py's Form), each exact for what it serves:
+//
+//   AFFINE      float32 scale and offset a group               int4's own, GPTQ, AWQ
+//   SYMMETRIC   float16 scale a group, offset = -8 scale        GGUF's Q4_0 (G = 32)
+//   SUB_SCALED  float32 scale and offset a group, and per sub-block of 32 inputs (s = k / 32)
+//               integers sc, m in 0..63: w = scale sc[n, s] q + offset m[n, s]   Q4_K (G = 256)
 //
 // Plain C++ with a C entry point, no PyTorch headers, built like cpu_int8.cpp
 // (nanovllm/kernels/cpu_int4.py).
 //
 //   x       [M, K] float32 | bfloat16, contiguous        y  [M, N] x's dtype, contiguous
-//   packed  [N_pad / 64][K / G][scale 64 float32 | offset 64 float32 | G / 8 lines of 256 bytes]
+//   packed  [N_pad / 64][K / G][header | G / 8 lines of 256 bytes], the header per form:
+//             AFFINE      scale 64 float32 | offset 64 float32                     512 bytes
+//             SYMMETRIC   scale 64 float16                                         128
+//             SUB_SCALED  scale, offset 64 float32 | G / 32 x (sc 64 | m 64 bytes)  512 + G / 32 128
 //   bias    [N] float32 or null;  N <= N_pad < N + 64 (padded channels: q, scale, offset 0)
 //
-// A panel holds 64 output channels; its groups follow each other, each the group's scales and
-// offsets, then its G / 8 lines, so at M = 1 the weights are read once, front to back, as one
+// A weight takes half a byte and its share of a header: 0.75 bytes at AFFINE's G = 32, 0.5625 at
+// 128; 0.5625 SYMMETRIC's at 32 (Q4_0's own); 0.59 SUB_SCALED's at 256 (Q4_K's file 0.5625).
+// A panel holds 64 output channels; its groups follow each other, each the group's header,
+// then its G / 8 lines, so at M = 1 the weights are read once, front to back, as one
 // stream that the hardware's prefetchers follow (with the scales after the lines, loaded first,
 // the kernel read from DRAM at 9.6 GB/s; now at 23-27, a bare read loop's rate). A line holds 8
 // input channels k .. k + 7 of the 64 channels, 4 bytes a channel, 16 channels (64 bytes) after
@@ -32,6 +44,20 @@
 // by step, a power of two, are exact), the total twice. So against float32 arithmetic: x is
 // rounded to 23 bits below its block's largest |x| (at most 2^-23 max |x_block| an element,
 // 2^-124 at the least), the products and their sums are exact, and a block adds 4-5 roundings.
+// That float work, per row and 16 channels, costs as much as 8-12 dot products: at G = 32 a
+// third of the time (Qwen3-0.6B's qkv, 128 rows, 1 thread: 11.1 ms against 7.8 at G = 256).
+// The two other forms do less of it, in integers:
+//
+//   SYMMETRIC, per sub-block: sum (q - 8) X = S0 + 2^8 S1 + 2^16 S2 - 8 sum(X) is exact in int32
+//     (|.| <= 8 8355711 32 < 2^31; the terms wrap modulo 2^32, their total does not), rounded
+//     once: total += scale (step sum (q - 8) X), 2 roundings a sub-block.
+//   SUB_SCALED, per sub-block j, each digit's sums times sc_j in int32, summed over the block:
+//     T_c = sum_j sc_j S_c,j, |T_c| <= 15 128 32 63 B / 32 < 2^27 (exact); per block once,
+//     d = step (2^16 T2 + 2^8 T1 + T0) (3 conversions and 2 FMAs, each rounded), and the offsets'
+//     part from each sub-block's step sum(X) (rounded once): total += scale d + offset sum_j
+//     m_j step sum_j(X), B / 32 + 7 roundings a block. Its tiles hold twice the sums (S and T):
+//     half the rows. 9.7 ms for that qkv at G = 256 (the multiplies by sc, vpmulld, are the
+//     rest of the way to AFFINE's 7.8).
 // The weights are never widened to floats: per 64 weights of a row, 6 dot-product instructions
 // (2 x 3 digits) and 3 of unpacking shared by the tile's rows. At M = 1 that ran 74 G weights/s
 // (6144 x 1024, in L3, 1 thread, AMD EPYC Zen 4; a stand-alone microbenchmark of the inner loops,
@@ -67,6 +93,7 @@ constexpr int BLOCK = 64;  // channels a panel
 constexpr int LINE = 256;  // bytes of a panel's 8 input channels: 64 channels x 4 bytes
 constexpr int SCALES = 8 * BLOCK;  // bytes of a float32 scale and offset a channel
 constexpr int SUB = 32;            // inputs of a sub-block: SYMMETRIC's and SUB_SCALED's unit
+constexpr int SPAN = 256;          // inputs a tile runs over in one call, at least a group: see gemm
 constexpr int MAX_X_BLOCK = 1024;  // input channels of x's fixed point: the int32 sums' bound
 constexpr int32_t X_MAX = 127 * (1 + 256 + 65536);  // the largest |X| of three signed bytes
 constexpr int MIN_EXPONENT = -100;  // x blocks below 2^-100 share this step: 2^-124
@@ -400,9 +427,8 @@ ALWAYS_INLINE void add_affine(const Problem& p, const Digits& xd, const Sums<NV,
   }
 }
 
-// SYMMETRIC, per sub-block of 32 inputs: sum (q - 8) X = S0 + 2^8 S1 + 2^16 S2 - 8 sum(X) is
-// exact in int32 (|.| <= 8 * 8355711 * 32 < 2^31; the terms wrap modulo 2^32, their total
-// does not), rounded once to float32: total += scale (step sum (q - 8) X).
+// SYMMETRIC, per sub-block of 32 inputs: total += scale (step sum (q - 8) X), the sum exact in
+// int32 (the top of the file).
 template <int NV, int MR>
 ALWAYS_INLINE void add_symmetric(const Problem& p, const Digits& xd, const Sums<NV, MR>& sums,
                                  const uint16_t* scales, int64_t block, int64_t sub,
@@ -425,10 +451,8 @@ ALWAYS_INLINE void add_symmetric(const Problem& p, const Digits& xd, const Sums<
   }
 }
 
-// SUB_SCALED, per x block: the digits' sums of each sub-block times its sub_scale, summed over
-// the block in int32 (|.| <= 15 * 128 * 32 * 63 * B / 32 < 2^31 for B <= 1024: exact), are
-// rounded to float32 once, d = step (2^16 T2 + 2^8 T1 + T0); the offsets' part needs only each
-// sub-block's step sum(X) times its sub_offset: total += scale d + offset sum_j m_j sum_j.
+// SUB_SCALED, per x block: `sums` are T_c = sum_j sc_j S_c,j, exact (the top of the file);
+// total += scale step (2^16 T2 + 2^8 T1 + T0) + offset sum_j m_j (step sum_j(X)).
 template <int NV, int MR>
 ALWAYS_INLINE void add_sub_scaled(const Problem& p, const Digits& xd, const Sums<NV, MR>& sums,
                                   const uint8_t* header, int64_t block, int64_t first_sub,
@@ -460,57 +484,72 @@ ALWAYS_INLINE void add_sub_scaled(const Problem& p, const Digits& xd, const Sums
   }
 }
 
-// One tile of one group: rows [m0, m0 + MR) of x against channels [c, c + NV W) of the
-// panel's group at `group`; its sums, scaled, are added to `totals` [MR][64] (the tile's rows
-// and the panel's channels).
-template <int FORM, int NV, int MR>
-void group_tile(const Problem& p, const Digits& xd, const uint8_t* group, int64_t g, int c,
-                int64_t m0, float* __restrict totals) {
-  for (int64_t b = 0; b < p.group_blocks; ++b) {  // x blocks of the group
-    const int64_t block = g * p.group_blocks + b;
-    const int8_t* rows = xd.digits.data() + (block * p.M + m0) * 3 * p.B;  // [MR][3][B]
-    const uint8_t* line = group + p.header + b * (p.B / 8) * LINE + 4 * c;
-    Sums<NV, MR> sums;
-    if constexpr (FORM == AFFINE) {
-      clear(sums);
-      add_lines(p, sums, line, rows, 0, p.B);
-      add_affine(p, xd, sums, reinterpret_cast<const float*>(group) + c, block, m0, totals + c);
-    } else if constexpr (FORM == SYMMETRIC) {
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(group) + c;
-      for (int64_t k = 0; k < p.B; k += SUB) {
-        clear(sums);
-        add_lines(p, sums, line + k / 8 * LINE, rows, k, k + SUB);
-        add_symmetric(p, xd, sums, scales, block, (block * p.B + k) / SUB, m0, totals + c);
-      }
-    } else {
-      Sums<NV, MR> scaled;  // sum over the block's sub-blocks of sub_scale * sums
-      clear(scaled);
-      const uint8_t* sub_scales = group + SCALES + b * p.B / SUB * 2 * BLOCK + c;
-      for (int64_t k = 0; k < p.B; k += SUB) {
-        clear(sums);
-        add_lines(p, sums, line + k / 8 * LINE, rows, k, k + SUB);
+// SUB_SCALED's x block b of a group: the sub-blocks' sums times their sc, summed (T), then
+// added to the totals. A function of its own: inlined in groups_tile, GCC 12 spilled its sums
+// (128 rows 1.6x slower).
+template <int NV, int MR>
+__attribute__((noinline)) void sub_scaled_block(const Problem& p, const Digits& xd,
+                                                const uint8_t* group, const uint8_t* line,
+                                                const int8_t* rows, int64_t block, int64_t b, int c,
+                                                int64_t m0, float* __restrict totals) {
+  Sums<NV, MR> sums, scaled;  // scaled: sum over the block's sub-blocks of sc * sums
+  clear(scaled);
+  const uint8_t* sub_scales = group + SCALES + b * p.B / SUB * 2 * BLOCK + c;
+  for (int64_t k = 0; k < p.B; k += SUB) {
+    clear(sums);
+    add_lines(p, sums, line + k / 8 * LINE, rows, k, k + SUB);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) {
-          const ivec sc = load_bytes(sub_scales + k / SUB * 2 * BLOCK + v * W);
+    for (int v = 0; v < NV; ++v) {
+      const ivec sc = load_bytes(sub_scales + k / SUB * 2 * BLOCK + v * W);
 #pragma GCC unroll 3
-          for (int i = 0; i < 3; ++i)
+      for (int i = 0; i < 3; ++i)
 #pragma GCC unroll 16
-            for (int m = 0; m < MR; ++m) scaled[i][m][v] += sc * sums[i][m][v];
+        for (int m = 0; m < MR; ++m) scaled[i][m][v] += sc * sums[i][m][v];
+    }
+  }
+  add_sub_scaled(p, xd, scaled, group, block, block * p.B / SUB, c, m0, totals);
+}
+
+// One tile over the panel's groups [g0, g1), the first at `group`: rows [m0, m0 + MR) of x
+// against channels [c, c + NV W); its sums, scaled, are added to `totals` [MR][64] (the tile's
+// rows and the panel's channels).
+template <int FORM, int NV, int MR>
+void groups_tile(const Problem& p, const Digits& xd, const uint8_t* group, int64_t g0, int64_t g1,
+                 int c, int64_t m0, float* __restrict totals) {
+  for (int64_t g = g0; g < g1; ++g, group += p.group_bytes) {
+    if constexpr (FORM == SUB_SCALED)  // see gemm
+      for (int64_t i = 0; i < p.header; i += 64) __builtin_prefetch(group + i, 0, 3);
+    for (int64_t b = 0; b < p.group_blocks; ++b) {  // x blocks of the group
+      const int64_t block = g * p.group_blocks + b;
+      const int8_t* rows = xd.digits.data() + (block * p.M + m0) * 3 * p.B;  // [MR][3][B]
+      const uint8_t* line = group + p.header + b * (p.B / 8) * LINE + 4 * c;
+      Sums<NV, MR> sums;
+      if constexpr (FORM == AFFINE) {
+        clear(sums);
+        add_lines(p, sums, line, rows, 0, p.B);
+        add_affine(p, xd, sums, reinterpret_cast<const float*>(group) + c, block, m0, totals + c);
+      } else if constexpr (FORM == SYMMETRIC) {
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group) + c;
+        for (int64_t k = 0; k < p.B; k += SUB) {
+          clear(sums);
+          add_lines(p, sums, line + k / 8 * LINE, rows, k, k + SUB);
+          add_symmetric(p, xd, sums, scales, block, (block * p.B + k) / SUB, m0, totals + c);
         }
+      } else {
+        sub_scaled_block<NV, MR>(p, xd, group, line, rows, block, b, c, m0, totals + c);
       }
-      add_sub_scaled(p, xd, scaled, group, block, block * p.B / SUB, c, m0, totals + c);
     }
   }
 }
 
 template <int NV>
-using GroupTileFn = void (*)(const Problem&, const Digits&, const uint8_t*, int64_t, int, int64_t,
-                             float*);
+using GroupsTileFn = void (*)(const Problem&, const Digits&, const uint8_t*, int64_t, int64_t, int,
+                              int64_t, float*);
 
-// group_tiles<FORM, NV>(MR)[r - 1]: the tile of r rows, r = 1..MR.
+// groups_tiles<FORM, NV>(MR)[r - 1]: the tile of r rows, r = 1..MR.
 template <int FORM, int NV, int... R>
-constexpr auto group_tiles(std::integer_sequence<int, R...>) {
-  return std::array<GroupTileFn<NV>, sizeof...(R)>{&group_tile<FORM, NV, R + 1>...};
+constexpr auto groups_tiles(std::integer_sequence<int, R...>) {
+  return std::array<GroupsTileFn<NV>, sizeof...(R)>{&groups_tile<FORM, NV, R + 1>...};
 }
 
 // Rows [m0, m0 + rows) of y, channels [n0, n0 + 64) but not past N: totals [rows][64] + bias.
@@ -534,16 +573,20 @@ void store_rows(const Problem& p, const float* totals, int64_t m0, int rows, int
 constexpr int64_t GRAIN = int64_t{1} << 16;
 
 // Work items are (panel, row tile) pairs, panel-major, spread statically over the threads: a
-// thread keeps a panel in its L2 for all its row tiles. An item runs group by group, each
-// group's tiles of channels in turn, so a group's lines (4.5 KB at G = 128) are in L1 for all
-// its tiles and the weights come from memory in their order. A tile narrower than the panel
-// reads a line's part of it, every 256 bytes, which the hardware's prefetchers did not follow
-// well: it asks for the next group's part of each line it reads (tiles of 16 channels over the
-// whole panel, one after the other, ran 0.6-0.8x int8's speed from DRAM at 2-4 rows; group by
-// group 0.8x; with the prefetches 1.2x, as from L3).
+// thread keeps a panel in its L2 for all its row tiles. An item runs span by span of groups (of
+// SPAN inputs at least), each span's tiles of channels in turn, so a span's lines (8-9 KB at G
+// = 32 to 256) are in L1 for all its tiles and the weights come from memory in their order (a
+// call a group of 32 cost as much as a third of its products: 12.1 ms against 10.1 for
+// Qwen3-0.6B's qkv at 128 rows, 1 thread). A tile narrower than the panel reads a line's part of
+// it, every 256 bytes, which the hardware's prefetchers did not follow well: it asks for the
+// next group's part of each line it reads (tiles of 16 channels over the whole panel, one after
+// the other, ran 0.6-0.8x int8's speed from DRAM at 2-4 rows; group by group 0.8x; with the
+// prefetches 1.2x, as from L3). SUB_SCALED's header (1.5 KB at G = 256) is read through its
+// group (sc) and after it (scale, offset, m), not front to back: asked for at the group's start
+// (1 row from DRAM, 6144 x 1024: 10 GB/s without, 20 with).
 template <typename T, int FORM, int NV, int MR>
 void gemm(const Problem& p, T* y, int num_threads) {
-  static constexpr auto tiles_of = group_tiles<FORM, NV>(std::make_integer_sequence<int, MR>{});
+  static constexpr auto tiles_of = groups_tiles<FORM, NV>(std::make_integer_sequence<int, MR>{});
   const int64_t row_tiles = (p.M + MR - 1) / MR, panels = (p.N + BLOCK - 1) / BLOCK;
   const int64_t panel_bytes = p.K / p.G * p.group_bytes;
   const Digits& xd = x_digits;
@@ -553,8 +596,12 @@ void gemm(const Problem& p, T* y, int num_threads) {
     const int channels = static_cast<int>(std::min<int64_t>(BLOCK, p.N - panel * BLOCK));
     alignas(64) float totals[MR * BLOCK] = {};
     const uint8_t* group = p.packed + panel * panel_bytes;
-    for (int64_t g = 0; g < p.K / p.G; ++g, group += p.group_bytes)
-      for (int c = 0; c < channels; c += NV * W) tiles_of[rows - 1](p, xd, group, g, c, m0, totals);
+    const int64_t groups = p.K / p.G, span = std::max<int64_t>(1, SPAN / p.G);
+    for (int64_t g = 0; g < groups; g += span, group += span * p.group_bytes) {
+      const int64_t end = std::min(groups, g + span);
+      for (int c = 0; c < channels; c += NV * W)
+        tiles_of[rows - 1](p, xd, group, g, end, c, m0, totals);
+    }
     store_rows(p, totals, m0, rows, panel * BLOCK, y);
   });
 }
