@@ -45,19 +45,21 @@
 // rounded to 23 bits below its block's largest |x| (at most 2^-23 max |x_block| an element,
 // 2^-124 at the least), the products and their sums are exact, and a block adds 4-5 roundings.
 // That float work, per row and 16 channels, costs as much as 8-12 dot products: at G = 32 a
-// third of the time (Qwen3-0.6B's qkv, 128 rows, 1 thread: 11.1 ms against 7.8 at G = 256).
-// The two other forms do less of it, in integers:
+// fifth of the time (Qwen3-0.6B's qkv, 128 rows, 1 thread, AMD EPYC Zen 4: 10.1 ms against 8.0
+// at G = 256). The two other forms store fewer bytes a weight (gate_up's one row from DRAM:
+// AFFINE at G = 32 224 us, SYMMETRIC 161, SUB_SCALED 173) and do that work in integers:
 //
 //   SYMMETRIC, per sub-block: sum (q - 8) X = S0 + 2^8 S1 + 2^16 S2 - 8 sum(X) is exact in int32
 //     (|.| <= 8 8355711 32 < 2^31; the terms wrap modulo 2^32, their total does not), rounded
-//     once: total += scale (step sum (q - 8) X), 2 roundings a sub-block.
+//     once: total += scale (step sum (q - 8) X), 2 roundings a sub-block. No faster from L3
+//     (10.4 ms): the integer sums cost what the conversions they save did.
 //   SUB_SCALED, per sub-block j, each digit's sums times sc_j in int32, summed over the block:
 //     T_c = sum_j sc_j S_c,j, |T_c| <= 15 128 32 63 B / 32 < 2^27 (exact); per block once,
 //     d = step (2^16 T2 + 2^8 T1 + T0) (3 conversions and 2 FMAs, each rounded), and the offsets'
 //     part from each sub-block's step sum(X) (rounded once): total += scale d + offset sum_j
-//     m_j step sum_j(X), B / 32 + 7 roundings a block. Its tiles hold twice the sums (S and T):
-//     half the rows. 9.7 ms for that qkv at G = 256 (the multiplies by sc, vpmulld, are the
-//     rest of the way to AFFINE's 7.8).
+//     m_j step sum_j(X), 2 B / 32 + 7 roundings a block. Its tiles hold twice the sums (S and
+//     T): half the rows. 9.5 ms for that qkv (the multiplies by sc, vpmulld, and the shorter
+//     tiles are the rest of the way to AFFINE's 8.0).
 // The weights are never widened to floats: per 64 weights of a row, 6 dot-product instructions
 // (2 x 3 digits) and 3 of unpacking shared by the tile's rows. At M = 1 that ran 74 G weights/s
 // (6144 x 1024, in L3, 1 thread, AMD EPYC Zen 4; a stand-alone microbenchmark of the inner loops,

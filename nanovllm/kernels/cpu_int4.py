@@ -5,15 +5,21 @@ consecutive input channels (a multiple of 32 dividing K),
     w[n, k] = scale[n, g] * q[n, k] + offset[n, g]        q in 0..15 (uint8), g = k // group_size
 
 the canonical form every int4 format maps to: symmetric int4 (offset = -8 scale), GPTQ and AWQ
-(offset = -scale * zero), GGUF's Q4_0 (offset = -8 d) and Q4_K (scale d * sc, offset -dmin * m).
-y = x w^T (+ bias) by cpu_int4.cpp, reading half a byte a weight: integer dot products of the
-nibbles with x written in 24-bit fixed point per block of input channels (the C++ says how, and
-what that rounds), summed per group in float32. Built at first use and loaded with ctypes
-(kernels/cpu_build.py); `load()` is None, with one warning, where it cannot be.
+(offset = -scale * zero), GGUF's Q4_0 (offset = -8 d) and Q4_K (scale d, offset -dmin, with
+integer sub-scales sc and m per 32 inputs: w = scale sc q + offset m). A `Form` says how the
+kernel's panels hold the scales, each exact for what it serves and the two last with fewer
+bytes a weight and less float work: AFFINE (float32 scale and offset), SYMMETRIC (a float16
+scale, offset -8 scale: Q4_0), SUB_SCALED (Q4_K's). y = x w^T (+ bias) by cpu_int4.cpp, reading
+about half a byte a weight: integer dot products of the nibbles with x written in 24-bit fixed
+point per block of input channels (the C++ says how, and what that rounds), summed per group in
+float32. Built at first use and loaded with ctypes (kernels/cpu_build.py); `load()` is None,
+with one warning, where it cannot be.
 
     q, scale, offset = quantize(weight, group_size)     # [N, K] uint8, [N, K / G] float32 x 2
     packed = pack(q, scale, offset, group_size)         # the kernel's panels of 64 channels
     y = linear(load(), x, packed, N, group_size, bias)
+    packed = pack(q, d, -dmin, 256, Form.SUB_SCALED, sc, m)          # sc, m [N, K / 32] uint8
+    y = linear(load(), x, packed, N, 256, bias, Form.SUB_SCALED)
 
 `dequantize` is the float32 weight the int4 one stands for (the reference, and a prefill's
 weight where dequantizing a layer and calling F.linear is faster); `unpack` undoes `pack`.

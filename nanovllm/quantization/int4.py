@@ -5,14 +5,14 @@ offset (kernels/cpu_int4.py's canonical form and its min-max rounding),
 
     w[n, k] ~ scale[n, g] * q[n, k] + offset[n, g]        q in 0..15, g = k // group_size
 
-and its float weight freed. A layer's GEMM then reads half a byte a weight (an eighth of
-float32's, half of int8's), through kernels/cpu_int4.cpp, without a float copy of the weight;
-past KERNEL_MAX_ROWS rows (a prefill chunk) through a dequantized copy made for the call and
-F.linear. Activations stay in the model's dtype. What stays float is int8's: the token
-embedding (a tied LM head quantizes its own copy), Qwen3-MoE's router and experts. Checkpoints
-already quantized (GPTQ, AWQ, GGUF) reach the same format through `Int4Weight(q, scale,
-offset, group_size)`. Imported only when quantization is asked for, by a platform that runs it
-(a CPU's).
+and its float weight freed. A layer's GEMM then reads half a byte a weight (an eighth of float32's,
+half of int8's), through kernels/cpu_int4.cpp, without a float copy of the weight; past
+KERNEL_MAX_ROWS rows (a prefill chunk) through a dequantized copy made for the call and F.linear.
+Activations stay in the model's dtype. What stays float is int8's: the token embedding (a tied LM
+head quantizes its own copy), Qwen3-MoE's router and experts. Checkpoints already quantized (GPTQ,
+AWQ, GGUF) reach the same format through `Int4Weight(q, scale, offset, group_size, form)` (GGUF's
+Q4_0 and Q4_K in forms of their own: kernels/cpu_int4.py). Imported only when quantization is asked
+for, by a platform that runs it (a CPU's).
 """
 
 import math
