@@ -463,25 +463,26 @@ ALWAYS_INLINE void add_sub_scaled(const Problem& p, const Digits& xd, const Sums
   const uint8_t* sub_offsets = header + SCALES + BLOCK + c;  // after each sub-block's scales
   const int64_t subs = p.K / SUB, block_subs = p.B / SUB;
   const int64_t group_sub = first_sub % (p.G / SUB);  // the block's first sub-block in the group
+  const float* sub_sum = xd.sub_sum.data() + m0 * subs + first_sub;  // [MR][subs]
 #pragma GCC unroll 4
   for (int v = 0; v < NV; ++v) {
     const vec scale = load(scales + v * W), offset = load(scales + BLOCK + v * W);
+    vec mins[MR] = {};  // sum_j m_j step sum_j(X), each m_j widened once for the tile's rows
+    for (int64_t j = 0; j < block_subs; ++j) {
+      const vec m_j = __builtin_convertvector(
+          load_bytes(sub_offsets + (group_sub + j) * 2 * BLOCK + v * W), vec);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) mins[m] = m_j * sub_sum[m * subs + j] + mins[m];
+    }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       const float step = xd.step[(m0 + m) * p.blocks + block];
       const vec high = __builtin_convertvector(sums[2][m][v], vec) * 256.f +
                        __builtin_convertvector(sums[1][m][v], vec);
       const vec d = (high * 256.f + __builtin_convertvector(sums[0][m][v], vec)) * step;
-      const float* sub_sum = xd.sub_sum.data() + (m0 + m) * subs + first_sub;
-      vec mins{};
-      for (int64_t j = 0; j < block_subs; ++j) {
-        const vec m_j = __builtin_convertvector(
-            load_bytes(sub_offsets + (group_sub + j) * 2 * BLOCK + v * W), vec);
-        mins = m_j * sub_sum[j] + mins;
-      }
       float* total = totals + m * BLOCK + v * W;
       const vec t = scale * d + load(total);
-      store(total, offset * mins + t);
+      store(total, offset * mins[m] + t);
     }
   }
 }
