@@ -50,8 +50,9 @@ _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
 class Form(enum.IntEnum):
     """How a packed weight holds its scales, per output channel and group (cpu_int4.cpp's Form).
-    Each is exact for the formats it serves; the two last store fewer bytes a weight and do
-    less float work per input:
+    Each is exact for the formats it serves; the two last store fewer bytes a weight than
+    AFFINE at their group size, and SUB_SCALED turns its sums to float once a group of 256, not
+    once every 32 inputs:
 
         AFFINE      scale, offset float32              w = scale q + offset        0.75 B at G 32
         SYMMETRIC   scale float16, offset -8 scale     w = scale (q - 8)           0.5625 (Q4_0)

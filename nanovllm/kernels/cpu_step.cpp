@@ -12,7 +12,7 @@
 //
 // Float32 activations and KV cache; a linear's weight is float32 [N, K] row-major, int8
 // panels with per-channel scales (cpu_int8.cpp's layout) or int4 panels with their groups'
-// scales and offsets (cpu_int4.cpp's).
+// scales and offsets in one of cpu_int4.cpp's forms.
 
 #include <cmath>
 #include <cstdint>
