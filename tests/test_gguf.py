@@ -151,6 +151,21 @@ def test_4_bit_layers_keep_their_types_form_and_the_files_exact_weights(bases, t
     torch.testing.assert_close(logits, expected_logits, atol=EXACT_TOLERANCE, rtol=0)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_that_split_q4_k_groups_read_groups_of_32(tmp_path):
+    """down_proj's 768 inputs over 2 ranks: 384 each, not whole groups of 256; those ranks read
+    the layer as AFFINE groups of 32 (exact), and the tokens are one rank's."""
+    base = build_tiny_qwen3(tmp_path / "base", head_dim=128, hidden_size=256, intermediate_size=768)
+    path = write_gguf(base, tmp_path / "model.gguf", linear=Q.Q4_K)
+    prompts = make_prompts((5, 30))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with engine(path) as llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with engine(path, tensor_parallel_size=2) as llm:
+        split = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert split == alone
+
+
 def test_the_file_or_its_folder_and_the_files_tokenizer(files):
     path = files["qwen3", "Q4_K"]
     text = "def main():\n    return 42"

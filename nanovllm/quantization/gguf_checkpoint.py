@@ -14,7 +14,8 @@ bytes a weight, as the file's), Q4_K as SUB_SCALED groups of 256 (scale d, offse
 32 inputs the integers sc and m: 0.59 bytes a weight, the float work once per 256 inputs). Each
 value is the file's, so the weights are ggml's dequantized ones, exactly. A fused layer whose
 parts mix the two types reads both as AFFINE groups of 32 (scale d and offset -8 d; d sc and
--dmin m: products exact in float32). loading.py passes the 4-bit values through each layer's
+-dmin m: products exact in float32), as does a Q4_K layer whose groups of 256 tensor parallelism
+splits (loading.py). loading.py passes the 4-bit values through each layer's
 weight loader and packs them for the kernel; a layer whose parts are all of these types runs the
 int4 kernel. F32, F16 and BF16 tensors load as they are. A linear layer of every other type (Q8_0,
 Q6_K, ...: some v and down projections of a Q4_K_M file), or whose fused parts mix types, is

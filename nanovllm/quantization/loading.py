@@ -9,7 +9,8 @@ SUB_SCALED adds sub_scale and sub_offset [N, K / 32] (0..63), w = scale sub_scal
 sub_offset. Every tensor goes through its parameter's own weight_loader: q into the float weight
 (0..15 are exact in any dtype), the others into float32 tensors of the weight's rows and one
 column a group (or sub-block), so tensor parallelism and the fused q|k|v and gate|up layers
-shard them as they shard a float weight. Then each such layer reads Int4Weight and its float
+shard them as they shard a float weight (a SUB_SCALED group this rank's inputs do not hold
+whole is read as AFFINE groups of 32). Then each such layer reads Int4Weight and its float
 weight is freed.
 """
 
@@ -67,6 +68,7 @@ def load_layers(model: nn.Module, expected: dict[str, tuple[str, object]], read:
                     "layers' can"
                 )
             loader(param, value.q.to(param.dtype), shard_id)
+            value = _whole_groups(value, param.shape[1])
             layer = side.setdefault(param_name, _new_side(param, value))
             if (layer.group_size, layer.form) != (value.group_size, value.form):
                 raise ValueError(
@@ -97,6 +99,18 @@ def _new_side(param: torch.Tensor, value: Int4Tensors) -> _Side:
         subs = _groups(param.shape[1], cpu_int4.SUB)
         tensors += (_side(param, subs), _side(param, subs))
     return _Side(tensors, value.group_size, value.form)
+
+
+def _whole_groups(value: Int4Tensors, in_features: int) -> Int4Tensors:
+    """SUB_SCALED groups that this rank's inputs do not hold whole (tensor parallelism splits
+    Q4_K's 256: down_proj's 3072 inputs over 8 ranks) as AFFINE groups of 32: scale sc and offset
+    m, exact for a file's float16 scales and 6-bit sc and m."""
+    if value.form != cpu_int4.Form.SUB_SCALED or in_features % value.group_size == 0:
+        return value
+    per_sub = value.group_size // cpu_int4.SUB
+    scale = value.scale.repeat_interleave(per_sub, dim=1) * value.sub_scale.float()
+    offset = value.offset.repeat_interleave(per_sub, dim=1) * value.sub_offset.float()
+    return Int4Tensors(value.q, scale, offset, cpu_int4.SUB)
 
 
 def _groups(in_features: int, group_size: int) -> int:
