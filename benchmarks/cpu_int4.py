@@ -6,22 +6,26 @@ the rounds.
     python benchmarks/cpu_int4.py [--threads 1 2] [--rows 1 2 4 16 128] [--group-size 128]
     python benchmarks/cpu_int4.py --cold        # the weights read from DRAM
     python benchmarks/cpu_int4.py --crossover   # where the kernel stops paying for prefill
+    python benchmarks/cpu_int4.py --forms [--cold]  # GGUF's forms: Q4_0's and Q4_K's, AFFINE's
     python benchmarks/cpu_int4.py --best        # fastest calls: on a busy machine
     python benchmarks/cpu_int4.py --engine [--rounds 3]  # whole engines: int8 and int4 in turn
     ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
         python benchmarks/cpu_int4.py --flags=-mno-avx512f  # as on an AVX2 CPU
 
-Weights: every linear of Qwen3-0.6B (qkv, o, gate_up, down; the LM head with --lm-head), random,
-the same numbers in every format (int8 and the float32 weight are the int4 one's dequantized
-values). The default table reads the same weight again and again, so a layer stays in this
-CPU's L3: right where the GEMM is compute-bound, flattering at 1-4 rows, where a decode step
-reads every layer once from DRAM. --cold rotates each candidate over copies of its weight
-totalling --cold-mb MB. --crossover adds what a prefill chunk may run instead: the layer
-dequantized (Int4Weight.dequantize), then F.linear. --engine runs the engine itself, Qwen3-0.6B's
-shape with random weights, int8 and int4 (and float32 with --float) built side by side in this
-process and timed in turn each round, as benchmarks/llamacpp.py times nanovllm: one request's
-prefill of --prompt tokens and its decode of --gen, then --batch requests' decode steps after
-their prompts. The machine may be shared: the load average is printed beside each figure.
+Weights: every linear of Qwen3-0.6B (qkv, o, gate_up, down; the LM head with --lm-head), random, the
+same numbers in every format (int8 and the float32 weight are the int4 one's dequantized values).
+The default table reads the same weight again and again, so a layer stays in this CPU's L3: right
+where the GEMM is compute-bound, flattering at 1-4 rows, where a decode step reads every layer once
+from DRAM. --cold rotates each candidate over copies of its weight totalling --cold-mb MB.
+--crossover adds what a prefill chunk may run instead: the layer dequantized
+(Int4Weight.dequantize), then F.linear. --forms times the kernel's forms (cpu_int4.Form) on the same
+shapes: AFFINE with groups of 32 (how GGUF's 4-bit types ran before forms of their own) and 256,
+SYMMETRIC with 32 (Q4_0's), SUB_SCALED with 256 (Q4_K's), each from random 4-bit values and float16
+scales as a file holds them. --engine runs the engine itself, Qwen3-0.6B's shape with random
+weights, int8 and int4 (and float32 with --float) built side by side in this process and timed in
+turn each round, as benchmarks/llamacpp.py times nanovllm: one request's prefill of --prompt tokens
+and its decode of --gen, then --batch requests' decode steps after their prompts. The machine may be
+shared: the load average is printed beside each figure.
 """
 
 import argparse
@@ -182,6 +186,59 @@ def cold(libraries, threads, rows, group_size, total_mb: int, statistic) -> None
         print(f"{'':>14} {load()}", flush=True)
 
 
+FORMS = (  # (name, form, group size)
+    ("AFFINE 32", cpu_int4.Form.AFFINE, 32),
+    ("SYMMETRIC 32", cpu_int4.Form.SYMMETRIC, 32),
+    ("SUB_SCALED 256", cpu_int4.Form.SUB_SCALED, 256),
+    ("AFFINE 256", cpu_int4.Form.AFFINE, 256),
+)
+
+
+def form_weight(n: int, k: int, form: cpu_int4.Form, group_size: int, seed: int = 0):
+    """Packed random 4-bit values in `form`, float16 scales and offsets (6-bit sub-scales for
+    SUB_SCALED), as a GGUF file would give them."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group_size, generator=g) * 1e-3).half().float()
+    offset, subs = -8 * scale, ()
+    if form == cpu_int4.Form.SUB_SCALED:
+        offset = -scale
+        subs = tuple(
+            torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in "sm"
+        )
+    return cpu_int4.pack(q, scale, offset, group_size, form, *subs)
+
+
+def each_copy(library, x, copies: list[torch.Tensor], n: int, form, group_size: int) -> None:
+    for packed in copies:
+        cpu_int4.linear(library, x, packed, n, group_size, None, form)
+
+
+def forms(library, threads, rows, statistic, cold_mb: int | None) -> None:
+    """Each form of the kernel on every layer's shape, called in turn; with `cold_mb`, each call
+    on the next of that many MB of copies (the bytes from DRAM)."""
+    print(f"{'weight':>14} {'thr':>3} {'M':>4} " + " ".join(f"{n + ' us':>17}" for n, *_ in FORMS))
+    for name, (n, k) in SHAPES.items():
+        copies = []
+        for _, form, group_size in FORMS:
+            packed = form_weight(n, k, form, group_size)
+            count = max(2, cold_mb * 2**20 // packed.nbytes) if cold_mb else 1
+            copies.append([packed] + [packed.clone() for _ in range(count - 1)])
+        for t in threads:
+            torch.set_num_threads(t)
+            for m in rows:
+                x = torch.randn(m, k)
+                candidates = [
+                    partial(each_copy, library, x, c, n, form, group_size)
+                    for c, (_, form, group_size) in zip(copies, FORMS)
+                ]
+                times = times_us(candidates, rounds_for(candidates), statistic)
+                per_call = [t_us / len(c) for t_us, c in zip(times, copies)]
+                print(f"{name:>14} {t:>3} {m:>4} " + " ".join(f"{x:>17.1f}" for x in per_call))
+        per_weight = (f"{n} {cpu_int4.bytes_per_weight(g, f):.4f}" for n, f, g in FORMS)
+        print(f"{'':>14} {load()}; bytes a weight: {', '.join(per_weight)}", flush=True)
+
+
 def dequantized_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     return F.linear(x, weight.dequantize())
 
@@ -287,6 +344,7 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="the weights from DRAM")
     p.add_argument("--cold-mb", type=int, default=256)
     p.add_argument("--crossover", action="store_true", help="against dequantize + F.linear")
+    p.add_argument("--forms", action="store_true", help="the kernel's forms (GGUF's Q4_0, Q4_K)")
     p.add_argument("--flags", nargs="*", default=[], help="extra build flags: -mno-avx512f")
     p.add_argument("--engine", action="store_true", help="whole engines, int8 and int4 in turn")
     p.add_argument("--float", action="store_true", help="with --engine: float32 too")
@@ -319,7 +377,10 @@ def main() -> None:
     if args.engine:
         return engine_runs(args)
     with torch.inference_mode():
-        if args.cold:
+        if args.forms:
+            cold_mb = args.cold_mb if args.cold else None
+            forms(libraries[0], args.threads, args.rows, statistic, cold_mb)
+        elif args.cold:
             cold(libraries, args.threads, args.rows, args.group_size, args.cold_mb, statistic)
         elif args.crossover:
             crossover(libraries, args.threads, args.group_size, statistic)

@@ -117,6 +117,55 @@ def test_greedy_tokens_are_transformers_the_native_step_on_and_off(files, family
     assert_greedy_tokens_are(oracle(path), path, make_prompts((9,), seed=5)[0])
 
 
+def test_4_bit_layers_keep_their_types_form_and_the_files_exact_weights(bases, tmp_path):
+    """Q4_0 runs as SYMMETRIC groups of 32 and Q4_K as SUB_SCALED groups of 256 (the kernel's
+    forms, kernels/cpu_int4.py); a fused layer whose parts mix the two as AFFINE groups of 32.
+    Each layer's weight is gguf-py's dequantization of its parts, bit for bit, and the logits
+    are transformers'."""
+    from gguf_files import dequantized_weights
+
+    from nanovllm.kernels.cpu_int4 import Form
+
+    path = tmp_path / "model.gguf"
+    mixed = dict(linear=Q.Q4_K, k_proj=Q.Q4_0, gate_proj=Q.Q4_0, up_proj=Q.Q4_0)
+    write_gguf(bases["qwen3"], path, **mixed)
+    files = dequantized_weights(path)
+    expected = {  # our layer -> (form, group size, its GGUF tensors)
+        "self_attn.qkv_proj": (Form.AFFINE, 32, ("attn_q", "attn_k", "attn_v")),
+        "self_attn.o_proj": (Form.SUB_SCALED, 256, ("attn_output",)),
+        "mlp.gate_up_proj": (Form.SYMMETRIC, 32, ("ffn_gate", "ffn_up")),
+        "mlp.down_proj": (Form.SUB_SCALED, 256, ("ffn_down",)),
+    }
+    prompts = make_prompts()
+    with engine(path) as llm:
+        model = llm.model_runner.model
+        for i in range(len(model.model.layers)):
+            for name, (form, group_size, parts) in expected.items():
+                weight = model.get_submodule(f"model.layers.{i}.{name}").weight_format
+                assert (weight.form, weight.group_size) == (form, group_size), name
+                file = torch.cat([files[f"blk.{i}.{part}.weight"] for part in parts])
+                assert torch.equal(weight.dequantize(), file), name
+        logits = prefill_logits(llm, prompts)
+    model = oracle(path)
+    expected_logits = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(logits, expected_logits, atol=EXACT_TOLERANCE, rtol=0)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_that_split_q4_k_groups_read_groups_of_32(tmp_path):
+    """down_proj's 768 inputs over 2 ranks: 384 each, not whole groups of 256; those ranks read
+    the layer as AFFINE groups of 32 (exact), and the tokens are one rank's."""
+    base = build_tiny_qwen3(tmp_path / "base", head_dim=128, hidden_size=256, intermediate_size=768)
+    path = write_gguf(base, tmp_path / "model.gguf", linear=Q.Q4_K)
+    prompts = make_prompts((5, 30))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with engine(path) as llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with engine(path, tensor_parallel_size=2) as llm:
+        split = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert split == alone
+
+
 def test_the_file_or_its_folder_and_the_files_tokenizer(files):
     path = files["qwen3", "Q4_K"]
     text = "def main():\n    return 42"

@@ -1,18 +1,30 @@
 // Group-quantized int4 weight-only GEMM on a CPU (W4A16): float32 or bfloat16 activations, 4-bit
-// weights with a float32 scale and offset per output channel and group of G input channels,
+// weights with a scale and offset per output channel and group of G input channels,
 //
 //   w[n, k] = scale[n, g] * q[n, k] + offset[n, g]     q in 0..15, g = k / G
 //   y[m, n] = sum_g scale[n, g] (x[m, g] . q[n, g]) + offset[n, g] sum(x[m, g])   (+ bias[n])
+//
+// in one of three forms, a field of the call (cpu_int4.py's Form), each exact for what it serves:
+//
+//   AFFINE      float32 scale and offset a group               int4's own, GPTQ, AWQ
+//   SYMMETRIC   float16 scale a group, offset = -8 scale        GGUF's Q4_0 (G = 32)
+//   SUB_SCALED  float32 scale and offset a group, and per sub-block of 32 inputs (s = k / 32)
+//               integers sc, m in 0..63: w = scale sc[n, s] q + offset m[n, s]   Q4_K (G = 256)
 //
 // Plain C++ with a C entry point, no PyTorch headers, built like cpu_int8.cpp
 // (nanovllm/kernels/cpu_int4.py).
 //
 //   x       [M, K] float32 | bfloat16, contiguous        y  [M, N] x's dtype, contiguous
-//   packed  [N_pad / 64][K / G][scale 64 float32 | offset 64 float32 | G / 8 lines of 256 bytes]
+//   packed  [N_pad / 64][K / G][header | G / 8 lines of 256 bytes], the header per form:
+//             AFFINE      scale 64 float32 | offset 64 float32                     512 bytes
+//             SYMMETRIC   scale 64 float16                                         128
+//             SUB_SCALED  scale, offset 64 float32 | G / 32 x (sc 64 | m 64 bytes)  512 + G / 32 128
 //   bias    [N] float32 or null;  N <= N_pad < N + 64 (padded channels: q, scale, offset 0)
 //
-// A panel holds 64 output channels; its groups follow each other, each the group's scales and
-// offsets, then its G / 8 lines, so at M = 1 the weights are read once, front to back, as one
+// A weight takes half a byte and its share of a header: 0.75 bytes at AFFINE's G = 32, 0.5625 at
+// 128; 0.5625 SYMMETRIC's at 32 (Q4_0's own); 0.59 SUB_SCALED's at 256 (Q4_K's file 0.5625).
+// A panel holds 64 output channels; its groups follow each other, each the group's header,
+// then its G / 8 lines, so at M = 1 the weights are read once, front to back, as one
 // stream that the hardware's prefetchers follow (with the scales after the lines, loaded first,
 // the kernel read from DRAM at 9.6 GB/s; now at 23-27, a bare read loop's rate). A line holds 8
 // input channels k .. k + 7 of the 64 channels, 4 bytes a channel, 16 channels (64 bytes) after
@@ -32,6 +44,22 @@
 // by step, a power of two, are exact), the total twice. So against float32 arithmetic: x is
 // rounded to 23 bits below its block's largest |x| (at most 2^-23 max |x_block| an element,
 // 2^-124 at the least), the products and their sums are exact, and a block adds 4-5 roundings.
+// That float work, per row and 16 channels, costs as much as 8-12 dot products: at G = 32 a
+// fifth of the time (Qwen3-0.6B's qkv, 128 rows, 1 thread, AMD EPYC Zen 4: 10.1 ms against 8.0
+// at G = 256). The two other forms store fewer bytes a weight (gate_up's one row from DRAM:
+// AFFINE at G = 32 224 us, SYMMETRIC 161, SUB_SCALED 173) and do that work in integers:
+//
+//   SYMMETRIC, per sub-block: sum (q - 8) X = S0 + 2^8 S1 + 2^16 S2 - 8 sum(X) is exact in int32
+//     (|.| <= 8 8355711 32 < 2^31; the terms wrap modulo 2^32, their total does not), rounded
+//     once: total += scale (step sum (q - 8) X), 2 roundings a sub-block. No faster from L3
+//     (10.4 ms): the integer sums cost what the conversions they save did.
+//   SUB_SCALED, per sub-block j, each digit's sums times sc_j in int32, summed over the block:
+//     T_c = sum_j sc_j S_c,j, |T_c| <= 15 128 32 63 B / 32 < 2^27 (exact); per block once,
+//     d = step (2^16 T2 + 2^8 T1 + T0) (3 conversions and 2 FMAs, each rounded), and the offsets'
+//     part from each sub-block's step sum(X) (rounded once): total += scale d + offset sum_j
+//     m_j step sum_j(X), 2 B / 32 + 7 roundings a block. Its tiles hold twice the sums (S and
+//     T): half the rows. 9.5 ms for that qkv (the multiplies by sc, vpmulld, and the shorter
+//     tiles are the rest of the way to AFFINE's 8.0).
 // The weights are never widened to floats: per 64 weights of a row, 6 dot-product instructions
 // (2 x 3 digits) and 3 of unpacking shared by the tile's rows. At M = 1 that ran 74 G weights/s
 // (6144 x 1024, in L3, 1 thread, AMD EPYC Zen 4; a stand-alone microbenchmark of the inner loops,
@@ -65,10 +93,19 @@ namespace {
 using bf16 = uint16_t;
 constexpr int BLOCK = 64;  // channels a panel
 constexpr int LINE = 256;  // bytes of a panel's 8 input channels: 64 channels x 4 bytes
-constexpr int SCALES = 8 * BLOCK;  // bytes of a group's scales and offsets, before its lines
+constexpr int SCALES = 8 * BLOCK;  // bytes of a float32 scale and offset a channel
+constexpr int SUB = 32;            // inputs of a sub-block: SYMMETRIC's and SUB_SCALED's unit
+constexpr int SPAN = 256;          // inputs a tile runs over in one call, at least a group: see gemm
 constexpr int MAX_X_BLOCK = 1024;  // input channels of x's fixed point: the int32 sums' bound
 constexpr int32_t X_MAX = 127 * (1 + 256 + 65536);  // the largest |X| of three signed bytes
 constexpr int MIN_EXPONENT = -100;  // x blocks below 2^-100 share this step: 2^-124
+
+// How a group holds its scales (cpu_int4.py's Form), in the bytes before its lines:
+//   AFFINE      scale, offset [64] float32                      w = scale q + offset
+//   SYMMETRIC   scale [64] float16                              w = scale (q - 8)
+//   SUB_SCALED  scale, offset [64] float32, then per sub-block of 32 inputs sub_scale [64] and
+//               sub_offset [64] bytes (0..63)                   w = scale sub_scale q + offset sub_offset
+enum Form : int { AFFINE = 0, SYMMETRIC = 1, SUB_SCALED = 2 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define INT4_AVX512 1
@@ -76,17 +113,21 @@ constexpr int W = 16;
 constexpr int WIDE_NV = 4, WIDE_MR = 1;  // 64 channels x 1 row: 12 sums
 constexpr int PAIR_NV = 4;              // 64 channels x 2 rows: 24 sums
 constexpr int TALL_NV = 1, TALL_MR = 8;  // 16 channels x 8 rows: 24 sums
+// SUB_SCALED's tiles hold a second set of sums (a group's, scaled): half the first's
+constexpr int SUB_PAIR_NV = 2, SUB_TALL_MR = 4;
 #elif defined(__AVX2__) && defined(__FMA__)
 #define INT4_AVX2 1
 constexpr int W = 8;
 constexpr int WIDE_NV = 2, WIDE_MR = 1;  // 16 channels x 1 row: 6 sums of 16 registers
 constexpr int PAIR_NV = 2;              // 16 channels x 2 rows: 12 sums
 constexpr int TALL_NV = 1, TALL_MR = 3;  // 8 channels x 3 rows: 9 sums
+constexpr int SUB_PAIR_NV = 1, SUB_TALL_MR = 2;
 #else  // 4 lanes: SSE2's and NEON's registers
 constexpr int W = 4;
 constexpr int WIDE_NV = 4, WIDE_MR = 1;
 constexpr int PAIR_NV = 2;
 constexpr int TALL_NV = 2, TALL_MR = 3;
+constexpr int SUB_PAIR_NV = 2, SUB_TALL_MR = 2;
 #endif
 #if (defined(INT4_AVX512) && defined(__AVX512VNNI__)) || \
     (defined(INT4_AVX2) && defined(__AVXVNNI__))
@@ -111,6 +152,50 @@ ALWAYS_INLINE vec load(const float* p) {
   vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// float16 -> float32, exact (subnormals, infs and NaNs too).
+inline float widen_half(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0) return (sign ? -1.f : 1.f) * std::ldexp(static_cast<float>(mantissa), -24);
+  const uint32_t bits = exponent == 31 ? 0x7f800000u | mantissa << 13
+                                       : (exponent + 112) << 23 | mantissa << 13;
+  return __builtin_bit_cast(float, sign | bits);
+}
+
+// W float16 values -> float32 (F16C's vcvtph2ps where the build has it).
+ALWAYS_INLINE vec load_half(const uint16_t* p) {
+#if defined(INT4_AVX512)
+  __m256i h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vec>(_mm512_cvtph_ps(h));
+#elif defined(INT4_AVX2) && defined(__F16C__)
+  __m128i h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vec>(_mm256_cvtph_ps(h));
+#else
+  vec v;
+  for (int j = 0; j < W; ++j) v[j] = widen_half(p[j]);
+  return v;
+#endif
+}
+
+// W bytes -> int32 (vpmovzxbd: GCC 12 widens a vector of bytes one byte at a time).
+ALWAYS_INLINE ivec load_bytes(const uint8_t* p) {
+#if defined(INT4_AVX512)
+  __m128i b;
+  std::memcpy(&b, p, sizeof b);
+  return reinterpret_cast<ivec>(_mm512_cvtepu8_epi32(b));
+#elif defined(INT4_AVX2)
+  int64_t b;
+  std::memcpy(&b, p, sizeof b);
+  return reinterpret_cast<ivec>(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b)));
+#else
+  ivec v;
+  for (int j = 0; j < W; ++j) v[j] = p[j];
+  return v;
+#endif
 }
 
 // acc[j] += sum_i byte i of q[j] (unsigned) * x[i] (signed), i = 0..3: exact (|sum| < 2^13).
@@ -187,27 +272,32 @@ struct Problem {
   const float* bias;  // or null
   int64_t M, N, K, G;
   int64_t B;            // x's fixed-point blocks: G, or its largest multiple-of-32 divisor <= 1024
-  int64_t group_bytes;  // 64 scales, 64 offsets, then G / 8 lines
+  Form form;
+  int64_t header;       // bytes of a group's scales (its form's), before its G / 8 lines
+  int64_t group_bytes;  // header + G / 8 lines
   // K / B and G / B, divided once: a group tile's three 64-bit divisions cost a fifth of a
   // row's time at M = 1 from DRAM (qkv 124 us a call against 97)
   int64_t blocks, group_blocks;
 };
 
-// x in fixed point: its digits, and per row and block the step and step * sum(X).
+// x in fixed point: its digits, per row and block the step and step * sum(X), and per row and
+// sub-block of 32 sum(X) (exact: |.| < 2^28) and step * sum(X).
 struct Digits {
   std::vector<int8_t> digits;    // [K / B][M][3][B]: a block's rows side by side
   std::vector<float> step, sum;  // [M][K / B]
-  std::vector<uint8_t> finite;   // [M]: 0 where the row holds an inf or a NaN
+  std::vector<int32_t> sub_total;  // [M][K / 32]
+  std::vector<float> sub_sum;      // [M][K / 32]
+  std::vector<uint8_t> finite;     // [M]: 0 where the row holds an inf or a NaN
 };
 
 // The calling thread's, kept between calls (no allocation a call once grown).
 thread_local Digits x_digits;
 
-// Row `x` [K] -> its digits (block j's [3][B] at digits + j * stride), steps and sums [K / B];
-// false if it holds an inf or a NaN.
+// Row `x` [K] -> its digits (block j's [3][B] at digits + j * stride), steps and sums [K / B],
+// sub-block sums [K / 32]; false if it holds an inf or a NaN.
 template <typename T>
 bool to_digits(const T* x, int64_t K, int64_t B, int8_t* digits, int64_t stride, float* step,
-               float* sum) {
+               float* sum, int32_t* sub_total, float* sub_sum) {
   for (int64_t k0 = 0, j = 0; k0 < K; k0 += B, ++j) {
     float amax = 0.f;
     bool finite = true;
@@ -224,14 +314,20 @@ bool to_digits(const T* x, int64_t K, int64_t B, int8_t* digits, int64_t stride,
     if (std::nearbyint(amax * scale) > X_MAX) scale *= 0.5f;  // f > 0.996: one bit fewer
     int64_t total = 0;
     int8_t* out = digits + j * stride - k0;
-    for (int64_t k = k0; k < k0 + B; ++k) {
-      // x * scale is exact (a power of two) and within 2^23: the integer nearest to it, ties even
-      const int32_t X = static_cast<int32_t>(std::nearbyint(widen(x[k]) * scale));
-      const int8_t c0 = static_cast<int8_t>(X & 0xFF);
-      const int32_t high = (X - c0) >> 8;  // exact: X - c0 is a multiple of 256
-      const int8_t c1 = static_cast<int8_t>(high & 0xFF);
-      out[k] = c0, out[B + k] = c1, out[2 * B + k] = static_cast<int8_t>((high - c1) >> 8);
-      total += X;
+    for (int64_t s = k0; s < k0 + B; s += SUB) {
+      int32_t sub = 0;
+      for (int64_t k = s; k < s + SUB; ++k) {
+        // x * scale is exact (a power of two) and within 2^23: the integer nearest, ties even
+        const int32_t X = static_cast<int32_t>(std::nearbyint(widen(x[k]) * scale));
+        const int8_t c0 = static_cast<int8_t>(X & 0xFF);
+        const int32_t high = (X - c0) >> 8;  // exact: X - c0 is a multiple of 256
+        const int8_t c1 = static_cast<int8_t>(high & 0xFF);
+        out[k] = c0, out[B + k] = c1, out[2 * B + k] = static_cast<int8_t>((high - c1) >> 8);
+        sub += X;
+      }
+      sub_total[s / SUB] = sub;
+      sub_sum[s / SUB] = static_cast<float>(sub) / scale;
+      total += sub;
     }
     step[j] = 1.f / scale;
     sum[j] = static_cast<float>(total) / scale;
@@ -260,79 +356,203 @@ void prepare(const Problem& p, const T* x, int num_threads) {
     d.step.resize(p.M * blocks);
     d.sum.resize(p.M * blocks);
   }
+  if (d.sub_total.size() < static_cast<size_t>(p.M * p.K / SUB)) {
+    d.sub_total.resize(p.M * p.K / SUB);
+    d.sub_sum.resize(p.M * p.K / SUB);
+  }
   if (d.finite.size() < static_cast<size_t>(p.M)) d.finite.resize(p.M);
   int8_t* digits = d.digits.data();
-  float *step = d.step.data(), *sum = d.sum.data();
+  float *step = d.step.data(), *sum = d.sum.data(), *sub_sum = d.sub_sum.data();
+  int32_t* sub_total = d.sub_total.data();
   uint8_t* finite = d.finite.data();
   parallel_for(p.M, p.M * p.K >= (1 << 16), num_threads, [&](int64_t m) {
     finite[m] = to_digits(x + m * p.K, p.K, p.B, digits + 3 * m * p.B, 3 * p.M * p.B,
-                          step + m * blocks, sum + m * blocks);
+                          step + m * blocks, sum + m * blocks, sub_total + m * p.K / SUB,
+                          sub_sum + m * p.K / SUB);
   });
 }
 
-// One tile of one group: rows [m0, m0 + MR) of x against channels [c, c + NV W) of the
-// panel's group at `group`; its sums, scaled, are added to `totals` [MR][64] (the tile's rows
-// and the panel's channels).
 template <int NV, int MR>
-void group_tile(const Problem& p, const Digits& xd, const uint8_t* group, int64_t g, int c,
-                int64_t m0, float* __restrict totals) {
-  const int64_t blocks = p.blocks;
+using Sums = ivec[3][MR][NV];  // a tile's integer sums, digit by digit
+
+template <int NV, int MR>
+ALWAYS_INLINE void clear(Sums<NV, MR>& sums) {
+#pragma GCC unroll 3
+  for (int i = 0; i < 3; ++i)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) sums[i][m][v] = ivec{};
+}
+
+// sums += the tile's products over inputs [k0, k1) of its x block: `rows` the block's digits
+// [MR][3][B], `line` the line of input k0 at the tile's channels.
+template <int NV, int MR>
+ALWAYS_INLINE void add_lines(const Problem& p, Sums<NV, MR>& sums, const uint8_t* line,
+                             const int8_t* rows, int64_t k0, int64_t k1) {
   const uvec nibble = uvec{} + 0x0F0F0F0Fu;
-  const float* scales = reinterpret_cast<const float*>(group) + c;
-  for (int64_t b = 0; b < p.group_blocks; ++b) {  // x blocks of the group
-    const int64_t block = g * p.group_blocks + b;
-    const int8_t* rows = xd.digits.data() + (block * p.M + m0) * 3 * p.B;  // [MR][3][B]
-    ivec sums[3][MR][NV];
-#pragma GCC unroll 3
-    for (int i = 0; i < 3; ++i)
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) sums[i][m][v] = ivec{};
-    const uint8_t* line = group + SCALES + b * (p.B / 8) * LINE + 4 * c;
-    for (int64_t k = 0; k < p.B; k += 8, line += LINE) {
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) {
-        if constexpr (NV * W < BLOCK)  // the next group's: see gemm
-          __builtin_prefetch(line + 4 * W * v + p.group_bytes, 0, 2);
-        const uvec q = load_q(line + 4 * W * v);
-        const uvec low = q & nibble, high = (q >> 4) & nibble;  // k .. k + 3, k + 4 .. k + 7
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) {
-          const int8_t* x = rows + 3 * m * p.B + k;
-#pragma GCC unroll 3
-          for (int i = 0; i < 3; ++i) {
-            sums[i][m][v] = dot8(sums[i][m][v], low, high, x + i * p.B);
-          }
-        }
-      }
-    }
+  for (int64_t k = k0; k < k1; k += 8, line += LINE) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      const vec scale = load(scales + v * W), offset = load(scales + BLOCK + v * W);
+      if constexpr (NV * W < BLOCK)  // the next group's: see gemm
+        __builtin_prefetch(line + 4 * W * v + p.group_bytes, 0, 2);
+      const uvec q = load_q(line + 4 * W * v);
+      const uvec low = q & nibble, high = (q >> 4) & nibble;  // k .. k + 3, k + 4 .. k + 7
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        const float step = xd.step[(m0 + m) * blocks + block];
-        const float sum = xd.sum[(m0 + m) * blocks + block];
-        const ivec upper = sums[1][m][v] + (sums[2][m][v] << 8);  // exact: |.| < 2^29
-        const vec low = __builtin_convertvector(sums[0][m][v], vec) * step;  // exact
-        const vec d = __builtin_convertvector(upper, vec) * (256.f * step) + low;
-        float* total = totals + m * BLOCK + c + v * W;
-        vec t = scale * d + load(total);
-        store(total, offset * sum + t);
+        const int8_t* x = rows + 3 * m * p.B + k;
+#pragma GCC unroll 3
+        for (int i = 0; i < 3; ++i) sums[i][m][v] = dot8(sums[i][m][v], low, high, x + i * p.B);
+      }
+    }
+  }
+}
+
+// AFFINE, per x block: d = step (2^8 (S1 + 2^8 S2) + S0), total += scale d + offset step sum(X).
+template <int NV, int MR>
+ALWAYS_INLINE void add_affine(const Problem& p, const Digits& xd, const Sums<NV, MR>& sums,
+                              const float* scales, int64_t block, int64_t m0, float* totals) {
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const vec scale = load(scales + v * W), offset = load(scales + BLOCK + v * W);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const float step = xd.step[(m0 + m) * p.blocks + block];
+      const float sum = xd.sum[(m0 + m) * p.blocks + block];
+      const ivec upper = sums[1][m][v] + (sums[2][m][v] << 8);  // exact: |.| < 2^29
+      const vec low = __builtin_convertvector(sums[0][m][v], vec) * step;  // exact
+      const vec d = __builtin_convertvector(upper, vec) * (256.f * step) + low;
+      float* total = totals + m * BLOCK + v * W;
+      const vec t = scale * d + load(total);
+      store(total, offset * sum + t);
+    }
+  }
+}
+
+// SYMMETRIC, per sub-block of 32 inputs: total += scale (step sum (q - 8) X), the sum exact in
+// int32 (the top of the file).
+template <int NV, int MR>
+ALWAYS_INLINE void add_symmetric(const Problem& p, const Digits& xd, const Sums<NV, MR>& sums,
+                                 const uint16_t* scales, int64_t block, int64_t sub,
+                                 int64_t m0, float* totals) {
+  const int64_t subs = p.K / SUB;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const vec scale = load_half(scales + v * W);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const float step = xd.step[(m0 + m) * p.blocks + block];
+      const uint32_t eight_sum = 8u * static_cast<uint32_t>(xd.sub_total[(m0 + m) * subs + sub]);
+      const uvec wrapped = reinterpret_cast<const uvec&>(sums[0][m][v]) +
+                           (reinterpret_cast<const uvec&>(sums[1][m][v]) << 8) +
+                           (reinterpret_cast<const uvec&>(sums[2][m][v]) << 16) - eight_sum;
+      const vec d = __builtin_convertvector(reinterpret_cast<ivec>(wrapped), vec) * step;
+      float* total = totals + m * BLOCK + v * W;
+      store(total, scale * d + load(total));
+    }
+  }
+}
+
+// SUB_SCALED, per x block: `sums` are T_c = sum_j sc_j S_c,j, exact (the top of the file);
+// total += scale step (2^16 T2 + 2^8 T1 + T0) + offset sum_j m_j (step sum_j(X)).
+template <int NV, int MR>
+ALWAYS_INLINE void add_sub_scaled(const Problem& p, const Digits& xd, const Sums<NV, MR>& sums,
+                                  const uint8_t* header, int64_t block, int64_t first_sub,
+                                  int c, int64_t m0, float* totals) {
+  const float* scales = reinterpret_cast<const float*>(header) + c;
+  const uint8_t* sub_offsets = header + SCALES + BLOCK + c;  // after each sub-block's scales
+  const int64_t subs = p.K / SUB, block_subs = p.B / SUB;
+  const int64_t group_sub = first_sub % (p.G / SUB);  // the block's first sub-block in the group
+  const float* sub_sum = xd.sub_sum.data() + m0 * subs + first_sub;  // [MR][subs]
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const vec scale = load(scales + v * W), offset = load(scales + BLOCK + v * W);
+    vec mins[MR] = {};  // sum_j m_j step sum_j(X), each m_j widened once for the tile's rows
+    for (int64_t j = 0; j < block_subs; ++j) {
+      const vec m_j = __builtin_convertvector(
+          load_bytes(sub_offsets + (group_sub + j) * 2 * BLOCK + v * W), vec);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) mins[m] = m_j * sub_sum[m * subs + j] + mins[m];
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const float step = xd.step[(m0 + m) * p.blocks + block];
+      const vec high = __builtin_convertvector(sums[2][m][v], vec) * 256.f +
+                       __builtin_convertvector(sums[1][m][v], vec);
+      const vec d = (high * 256.f + __builtin_convertvector(sums[0][m][v], vec)) * step;
+      float* total = totals + m * BLOCK + v * W;
+      const vec t = scale * d + load(total);
+      store(total, offset * mins[m] + t);
+    }
+  }
+}
+
+// SUB_SCALED's x block b of a group: the sub-blocks' sums times their sc, summed (T), then
+// added to the totals. A function of its own: inlined in groups_tile, GCC 12 spilled its sums
+// (128 rows 1.6x slower).
+template <int NV, int MR>
+__attribute__((noinline)) void sub_scaled_block(const Problem& p, const Digits& xd,
+                                                const uint8_t* group, const uint8_t* line,
+                                                const int8_t* rows, int64_t block, int64_t b, int c,
+                                                int64_t m0, float* __restrict totals) {
+  Sums<NV, MR> sums, scaled;  // scaled: sum over the block's sub-blocks of sc * sums
+  clear(scaled);
+  const uint8_t* sub_scales = group + SCALES + b * p.B / SUB * 2 * BLOCK + c;
+  for (int64_t k = 0; k < p.B; k += SUB) {
+    clear(sums);
+    add_lines(p, sums, line + k / 8 * LINE, rows, k, k + SUB);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const ivec sc = load_bytes(sub_scales + k / SUB * 2 * BLOCK + v * W);
+#pragma GCC unroll 3
+      for (int i = 0; i < 3; ++i)
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) scaled[i][m][v] += sc * sums[i][m][v];
+    }
+  }
+  add_sub_scaled(p, xd, scaled, group, block, block * p.B / SUB, c, m0, totals);
+}
+
+// One tile over the panel's groups [g0, g1), the first at `group`: rows [m0, m0 + MR) of x
+// against channels [c, c + NV W); its sums, scaled, are added to `totals` [MR][64] (the tile's
+// rows and the panel's channels).
+template <int FORM, int NV, int MR>
+void groups_tile(const Problem& p, const Digits& xd, const uint8_t* group, int64_t g0, int64_t g1,
+                 int c, int64_t m0, float* __restrict totals) {
+  for (int64_t g = g0; g < g1; ++g, group += p.group_bytes) {
+    if constexpr (FORM == SUB_SCALED)  // see gemm
+      for (int64_t i = 0; i < p.header; i += 64) __builtin_prefetch(group + i, 0, 3);
+    for (int64_t b = 0; b < p.group_blocks; ++b) {  // x blocks of the group
+      const int64_t block = g * p.group_blocks + b;
+      const int8_t* rows = xd.digits.data() + (block * p.M + m0) * 3 * p.B;  // [MR][3][B]
+      const uint8_t* line = group + p.header + b * (p.B / 8) * LINE + 4 * c;
+      Sums<NV, MR> sums;
+      if constexpr (FORM == AFFINE) {
+        clear(sums);
+        add_lines(p, sums, line, rows, 0, p.B);
+        add_affine(p, xd, sums, reinterpret_cast<const float*>(group) + c, block, m0, totals + c);
+      } else if constexpr (FORM == SYMMETRIC) {
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group) + c;
+        for (int64_t k = 0; k < p.B; k += SUB) {
+          clear(sums);
+          add_lines(p, sums, line + k / 8 * LINE, rows, k, k + SUB);
+          add_symmetric(p, xd, sums, scales, block, (block * p.B + k) / SUB, m0, totals + c);
+        }
+      } else {
+        sub_scaled_block<NV, MR>(p, xd, group, line, rows, block, b, c, m0, totals + c);
       }
     }
   }
 }
 
 template <int NV>
-using GroupTileFn = void (*)(const Problem&, const Digits&, const uint8_t*, int64_t, int, int64_t,
-                             float*);
+using GroupsTileFn = void (*)(const Problem&, const Digits&, const uint8_t*, int64_t, int64_t, int,
+                              int64_t, float*);
 
-// group_tiles<NV>(MR)[r - 1]: the tile of r rows, r = 1..MR.
-template <int NV, int... R>
-constexpr auto group_tiles(std::integer_sequence<int, R...>) {
-  return std::array<GroupTileFn<NV>, sizeof...(R)>{&group_tile<NV, R + 1>...};
+// groups_tiles<FORM, NV>(MR)[r - 1]: the tile of r rows, r = 1..MR.
+template <int FORM, int NV, int... R>
+constexpr auto groups_tiles(std::integer_sequence<int, R...>) {
+  return std::array<GroupsTileFn<NV>, sizeof...(R)>{&groups_tile<FORM, NV, R + 1>...};
 }
 
 // Rows [m0, m0 + rows) of y, channels [n0, n0 + 64) but not past N: totals [rows][64] + bias.
@@ -356,16 +576,20 @@ void store_rows(const Problem& p, const float* totals, int64_t m0, int rows, int
 constexpr int64_t GRAIN = int64_t{1} << 16;
 
 // Work items are (panel, row tile) pairs, panel-major, spread statically over the threads: a
-// thread keeps a panel in its L2 for all its row tiles. An item runs group by group, each
-// group's tiles of channels in turn, so a group's lines (4.5 KB at G = 128) are in L1 for all
-// its tiles and the weights come from memory in their order. A tile narrower than the panel
-// reads a line's part of it, every 256 bytes, which the hardware's prefetchers did not follow
-// well: it asks for the next group's part of each line it reads (tiles of 16 channels over the
-// whole panel, one after the other, ran 0.6-0.8x int8's speed from DRAM at 2-4 rows; group by
-// group 0.8x; with the prefetches 1.2x, as from L3).
-template <typename T, int NV, int MR>
+// thread keeps a panel in its L2 for all its row tiles. An item runs span by span of groups (of
+// SPAN inputs at least), each span's tiles of channels in turn, so a span's lines (8-9 KB at G
+// = 32 to 256) are in L1 for all its tiles and the weights come from memory in their order (a
+// call a group of 32 had cost as much as an eighth of the time: 11.4 ms against 10.0 for
+// Qwen3-0.6B's qkv at 128 rows, 1 thread). A tile narrower than the panel reads a line's part of
+// it, every 256 bytes, which the hardware's prefetchers did not follow well: it asks for the
+// next group's part of each line it reads (tiles of 16 channels over the whole panel, one after
+// the other, ran 0.6-0.8x int8's speed from DRAM at 2-4 rows; group by group 0.8x; with the
+// prefetches 1.2x, as from L3). SUB_SCALED's header (1.5 KB at G = 256) is read through its
+// group (sc) and after it (scale, offset, m), not front to back: asked for at the group's start
+// (1 row from DRAM, 6144 x 1024: 10 GB/s without, 20 with).
+template <typename T, int FORM, int NV, int MR>
 void gemm(const Problem& p, T* y, int num_threads) {
-  static constexpr auto tiles_of = group_tiles<NV>(std::make_integer_sequence<int, MR>{});
+  static constexpr auto tiles_of = groups_tiles<FORM, NV>(std::make_integer_sequence<int, MR>{});
   const int64_t row_tiles = (p.M + MR - 1) / MR, panels = (p.N + BLOCK - 1) / BLOCK;
   const int64_t panel_bytes = p.K / p.G * p.group_bytes;
   const Digits& xd = x_digits;
@@ -375,31 +599,60 @@ void gemm(const Problem& p, T* y, int num_threads) {
     const int channels = static_cast<int>(std::min<int64_t>(BLOCK, p.N - panel * BLOCK));
     alignas(64) float totals[MR * BLOCK] = {};
     const uint8_t* group = p.packed + panel * panel_bytes;
-    for (int64_t g = 0; g < p.K / p.G; ++g, group += p.group_bytes)
-      for (int c = 0; c < channels; c += NV * W) tiles_of[rows - 1](p, xd, group, g, c, m0, totals);
+    const int64_t groups = p.K / p.G, span = std::max<int64_t>(1, SPAN / p.G);
+    for (int64_t g = 0; g < groups; g += span, group += span * p.group_bytes) {
+      const int64_t end = std::min(groups, g + span);
+      for (int c = 0; c < channels; c += NV * W)
+        tiles_of[rows - 1](p, xd, group, g, end, c, m0, totals);
+    }
     store_rows(p, totals, m0, rows, panel * BLOCK, y);
   });
+}
+
+// The weight w[n, k] as it dequantizes, in float32 (the file's value for GGUF's: each product
+// below is exact for float16 scales, the sum rounded once).
+float weight_at(const Problem& p, int64_t n, int64_t k) {
+  const int64_t panel_bytes = p.K / p.G * p.group_bytes;
+  const uint8_t* group = p.packed + n / BLOCK * panel_bytes + k / p.G * p.group_bytes;
+  const int j = static_cast<int>(n % BLOCK);
+  const int64_t i = k % p.G;
+  const uint8_t byte = group[p.header + i / 8 * LINE + 4 * j + i % 4];
+  const int q = i % 8 < 4 ? byte & 0xF : byte >> 4;
+  const float* scales = reinterpret_cast<const float*>(group);
+  if (p.form == SYMMETRIC) {
+    const float scale = widen_half(reinterpret_cast<const uint16_t*>(group)[j]);
+    return scale * q + -8.f * scale;
+  }
+  if (p.form == SUB_SCALED) {
+    const uint8_t* sub = group + SCALES + i / SUB * 2 * BLOCK + j;
+    return scales[j] * sub[0] * q + scales[BLOCK + j] * sub[BLOCK];
+  }
+  return scales[j] * q + scales[BLOCK + j];
 }
 
 // A row holding an inf or a NaN, in float32 from the weights as they dequantize: the infs and
 // NaNs of y are those of x @ w^T, whatever the order of the sum.
 template <typename T>
 void nonfinite_row(const Problem& p, const T* x, T* y) {
-  const int64_t panel_bytes = p.K / p.G * p.group_bytes;
   for (int64_t n = 0; n < p.N; ++n) {
-    const uint8_t* panel = p.packed + n / BLOCK * panel_bytes;
-    const int j = static_cast<int>(n % BLOCK);
     float total = p.bias ? p.bias[n] : 0.f;
-    for (int64_t k = 0; k < p.K; ++k) {
-      const uint8_t* group = panel + k / p.G * p.group_bytes;
-      const float* scales = reinterpret_cast<const float*>(group);
-      const int64_t i = k % p.G;
-      const uint8_t byte = group[SCALES + i / 8 * LINE + 4 * j + i % 4];
-      const int q = i % 8 < 4 ? byte & 0xF : byte >> 4;
-      total += widen(x[k]) * (scales[j] * q + scales[BLOCK + j]);
-    }
+    for (int64_t k = 0; k < p.K; ++k) total += widen(x[k]) * weight_at(p, n, k);
     store_one(y + n, total);
   }
+}
+
+template <typename T, int FORM>
+void run(const Problem& p, T* out, int num_threads) {
+  if (p.M <= WIDE_MR)
+    gemm<T, FORM, WIDE_NV, WIDE_MR>(p, out, num_threads);
+  else if (FORM == SUB_SCALED && p.M == 2)
+    gemm<T, FORM, SUB_PAIR_NV, 2>(p, out, num_threads);
+  else if (p.M == 2)
+    gemm<T, FORM, PAIR_NV, 2>(p, out, num_threads);
+  else if (FORM == SUB_SCALED)
+    gemm<T, FORM, TALL_NV, SUB_TALL_MR>(p, out, num_threads);
+  else
+    gemm<T, FORM, TALL_NV, TALL_MR>(p, out, num_threads);
 }
 
 template <typename T>
@@ -407,12 +660,12 @@ void linear(const Problem& p, const void* x, void* y, int num_threads) {
   const T* in = static_cast<const T*>(x);
   T* out = static_cast<T*>(y);
   prepare(p, in, num_threads);
-  if (p.M <= WIDE_MR)
-    gemm<T, WIDE_NV, WIDE_MR>(p, out, num_threads);
-  else if (p.M == 2)
-    gemm<T, PAIR_NV, 2>(p, out, num_threads);
+  if (p.form == SYMMETRIC)
+    run<T, SYMMETRIC>(p, out, num_threads);
+  else if (p.form == SUB_SCALED)
+    run<T, SUB_SCALED>(p, out, num_threads);
   else
-    gemm<T, TALL_NV, TALL_MR>(p, out, num_threads);
+    run<T, AFFINE>(p, out, num_threads);
   for (int64_t m = 0; m < p.M; ++m)
     if (!x_digits.finite[m]) nonfinite_row(p, in + m * p.K, out + m * p.N);
 }
@@ -434,11 +687,23 @@ extern "C" int64_t nanovllm_int4_x_block(int64_t G) {
   return B;
 }
 
+// Bytes of a group's scales, before its lines: 512 (AFFINE), 128 (SYMMETRIC), 512 + G / 32 * 128
+// (SUB_SCALED); -1 for an unknown form.
+extern "C" int64_t nanovllm_int4_header_bytes(int64_t G, int form) {
+  switch (form) {
+    case AFFINE: return SCALES;
+    case SYMMETRIC: return 2 * BLOCK;
+    case SUB_SCALED: return SCALES + G / SUB * 2 * BLOCK;
+    default: return -1;
+  }
+}
+
 extern "C" void nanovllm_int4_linear(const void* x, int is_bf16, const uint8_t* packed,
                                      const float* bias, void* y, int64_t M, int64_t N, int64_t K,
-                                     int64_t G, int num_threads) {
-  const int64_t B = nanovllm_int4_x_block(G);
-  const Problem p{packed, bias, M, N, K, G, B, SCALES + G / 8 * LINE, K / B, G / B};
+                                     int64_t G, int form, int num_threads) {
+  const int64_t B = nanovllm_int4_x_block(G), header = nanovllm_int4_header_bytes(G, form);
+  const Problem p{packed, bias, M, N, K, G, B, static_cast<Form>(form), header,
+                  header + G / 8 * LINE, K / B, G / B};
   if (is_bf16)
     linear<bf16>(p, x, y, num_threads);
   else

@@ -12,7 +12,7 @@
 //
 // Float32 activations and KV cache; a linear's weight is float32 [N, K] row-major, int8
 // panels with per-channel scales (cpu_int8.cpp's layout) or int4 panels with their groups'
-// scales and offsets (cpu_int4.cpp's).
+// scales and offsets in one of cpu_int4.cpp's forms.
 
 #include <cmath>
 #include <cstdint>
@@ -134,7 +134,7 @@ using PagedDecode = void (*)(const float*, const void*, const void*, float*, con
 using Int8Linear = void (*)(const void*, int, const void*, const float*, const float*, float*,
                             int64_t, int64_t, int64_t, int);
 using Int4Linear = void (*)(const void*, int, const void*, const float*, float*, int64_t, int64_t,
-                            int64_t, int64_t, int);
+                            int64_t, int64_t, int, int);
 
 struct Linear {
   const void* weight;  // float32 [out, in]; int8 panels when scale is set; int4 when group is
@@ -142,6 +142,7 @@ struct Linear {
   const float* bias;  // or null
   int64_t out, in;
   int64_t group;  // int4's group size, else 0
+  int64_t form;   // int4's form (cpu_int4.cpp's Form: how a group holds its scales)
 };
 
 struct Layer {
@@ -169,7 +170,8 @@ struct Model {
 void linear(const Model& m, const Linear& l, const float* x, float* y, int64_t rows,
             int threads) {
   if (l.group > 0)
-    m.int4_linear(x, 0, l.weight, l.bias, y, rows, l.out, l.in, l.group, threads);
+    m.int4_linear(x, 0, l.weight, l.bias, y, rows, l.out, l.in, l.group,
+                  static_cast<int>(l.form), threads);
   else if (l.scale != nullptr)
     m.int8_linear(x, 0, l.weight, l.scale, l.bias, y, rows, l.out, l.in, threads);
   else

@@ -37,6 +37,7 @@ class _Linear(ctypes.Structure):
         ("out", _I64),
         ("in_", _I64),
         ("group", _I64),
+        ("form", _I64),
     ]
 
 
@@ -120,7 +121,7 @@ def packed_linear(
 
 class Linear(NamedTuple):
     """A linear layer's tensors: a float32 [N, K] weight, int8 panels with their scales, or
-    int4 panels (their scales and offsets inside) with their group size."""
+    int4 panels (their scales and offsets inside) with their group size and form."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
@@ -128,6 +129,7 @@ class Linear(NamedTuple):
     out_features: int = 0
     in_features: int = 0
     group_size: int = 0  # int4 (cpu_int4.pack's panels) when set
+    form: int = 0  # int4's: cpu_int4.Form
 
 
 class Layer(NamedTuple):
@@ -162,6 +164,7 @@ def _linear(linear: Linear) -> _Linear:
         out_features,
         in_features,
         linear.group_size,
+        linear.form,
     )
 
 

@@ -8,17 +8,22 @@ package reads the file (pip install 'nano-vllm[gguf]'); the kernels are ours:
     Q4_K   blocks of 256: float16 d and dmin, 8 sub-blocks of 32 with 6-bit scales sc and
            mins m, 128 bytes of 4-bit q                          w = d sc * q - dmin m
 
-are int4.py's format with groups of 32 (scale, offset: d and -8 d; d sc and -dmin m, products
-in float32 as ggml forms them), never dequantized: loading.py passes the 4-bit values through
-each layer's weight loader and packs them for the kernel; a layer
-whose parts are all of these types runs the int4 kernel. F32, F16 and BF16 tensors load as
-they are. A linear layer of every other type (Q8_0, Q6_K, ...: some v and down projections of a
-Q4_K_M file), or whose fused parts mix types, is dequantized by gguf-py and requantized to int8
-per output channel (quantization/int8.py: a byte a weight, its values within half an int8 step
-of the file's), one line saying so; so is an LM head tied to a quantized token embedding (the
-embedding's lookups keep a float32 copy). llama.cpp's converter permutes Llama's (and
-Mistral's) q and k rows for its rotary layout: they are permuted back, rows of 4-bit values as
-rows of floats.
+run in their own granularity, never dequantized, in the int4 kernel's forms (kernels/cpu_int4.py):
+Q4_0 as SYMMETRIC groups of 32 (scale d, stored in float16; offset -8 d, not stored: 0.5625
+bytes a weight, as the file's), Q4_K as SUB_SCALED groups of 256 (scale d, offset -dmin, and per
+32 inputs the integers sc and m: 0.59 bytes a weight, the float work once per 256 inputs). Each
+value is the file's, so the weights are ggml's dequantized ones, exactly. A fused layer whose
+parts mix the two types reads both as AFFINE groups of 32 (scale d and offset -8 d; d sc and
+-dmin m: products exact in float32), as does a Q4_K layer whose groups of 256 tensor parallelism
+splits (loading.py). loading.py passes the 4-bit values through each layer's
+weight loader and packs them for the kernel; a layer whose parts are all of these types runs the
+int4 kernel. F32, F16 and BF16 tensors load as they are. A linear layer of every other type (Q8_0,
+Q6_K, ...: some v and down projections of a Q4_K_M file), or whose fused parts mix types, is
+dequantized by gguf-py and requantized to int8 per output channel (quantization/int8.py: a byte a
+weight, its values within half an int8 step of the file's), one line saying so; so is an LM head
+tied to a quantized token embedding (the embedding's lookups keep a float32 copy). llama.cpp's
+converter permutes Llama's (and Mistral's) q and k rows for its rotary layout: they are permuted
+back, rows of 4-bit values as rows of floats.
 """
 
 import logging
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.kernels.cpu_int4 import Form
 from nanovllm.layers.linear import FormattedWeight
 from nanovllm.models.loader import expected_tensors
 from nanovllm.quantization.loading import Int4Tensors, load_layers
@@ -91,9 +97,11 @@ def load_gguf(model: nn.Module, path: str, hf_config: PretrainedConfig) -> int:
         tensor, param_name = tensors[ours[name]], expected[name][0]
         heads = _permuted_heads(arch, name, hf_config)
         if param_name in int4:
-            value = unpack(tensor)
+            value = unpack(tensor, native=int4[param_name])
             if heads:
-                value = Int4Tensors(*(_unpermute(t, heads) for t in value[:3]), value.group_size)
+                value = value._replace(
+                    **{f: _unpermute(getattr(value, f), heads) for f in _ROW_FIELDS[value.form]}
+                )
             return value
         if tensor.tensor_type not in FLOAT_TYPES and _is_linear(model, param_name):
             int8.add(param_name)
@@ -142,35 +150,45 @@ def _requantize_int8(model: nn.Module, params: set[str], head: str | None) -> No
 # -- Q4_0 and Q4_K into int4.py's format --------------------------------------------------------
 
 
-def unpack(tensor: gguf.ReaderTensor) -> Int4Tensors:
-    """A Q4_0 or Q4_K tensor's 4-bit values, with a scale and offset per 32 of them."""
+_ROW_FIELDS = {  # an Int4Tensors' tensors, each a row per output channel
+    Form.AFFINE: ("q", "scale", "offset"),
+    Form.SYMMETRIC: ("q", "scale", "offset"),
+    Form.SUB_SCALED: ("q", "scale", "offset", "sub_scale", "sub_offset"),
+}
+
+
+def unpack(tensor: gguf.ReaderTensor, native: bool = True) -> Int4Tensors:
+    """A Q4_0 or Q4_K tensor's 4-bit values with their scales: in the type's own form if
+    `native`, else AFFINE groups of 32 (a fused layer whose parts mix the two types)."""
     rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
     data = np.asarray(tensor.data).reshape(rows, -1)
+
+    def as_tensor(a: np.ndarray, dtype=np.float32) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype=dtype))
+
     if tensor.tensor_type == Q.Q4_0:
         blocks = data.reshape(rows, -1, 18)
         d = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
         qs = blocks[..., 2:]
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # values 0-15, then 16-31
-        scale, offset = d, -8 * d
-    else:
-        blocks = data.reshape(rows, -1, 144)
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = _scales_and_mins(blocks[..., 4:16])
-        qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 64-value chunks of 32 bytes
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # each chunk's two sub-blocks
-        scale, offset = d * sc, -(dmin * m)
-    as_tensor = torch.from_numpy
+        q = as_tensor(np.concatenate([qs & 0xF, qs >> 4], axis=-1), np.uint8)  # 0-15, 16-31
+        form = Form.SYMMETRIC if native else Form.AFFINE
+        return Int4Tensors(q, as_tensor(d), as_tensor(-8 * d), 32, form)
+    blocks = data.reshape(rows, -1, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = _scales_and_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 64-value chunks of 32 bytes
+    q = as_tensor(np.concatenate([qs & 0xF, qs >> 4], axis=3), np.uint8)  # a chunk's two halves
+    if not native:
+        return Int4Tensors(q, as_tensor(d * sc), as_tensor(-(dmin * m)), 32)
+    sub_scale, sub_offset = as_tensor(sc, np.uint8), as_tensor(m, np.uint8)
     return Int4Tensors(
-        as_tensor(np.ascontiguousarray(q.reshape(rows, -1))),
-        as_tensor(np.ascontiguousarray(scale.reshape(rows, -1), dtype=np.float32)),
-        as_tensor(np.ascontiguousarray(offset.reshape(rows, -1), dtype=np.float32)),
-        32,
+        q, as_tensor(d), as_tensor(-dmin), 256, Form.SUB_SCALED, sub_scale, sub_offset
     )
 
 
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A Q4_K block's 12 bytes -> its 8 sub-blocks' 6-bit scales and mins (float32): ggml's
+    """A Q4_K block's 12 bytes -> its 8 sub-blocks' 6-bit scales and mins (float32, exact): ggml's
     get_scale_min_k4: bytes 0-3 and 4-7 hold sub-blocks 0-3 in their low 6 bits and 4-7's top
     2 bits above them; bytes 8-11 hold 4-7's low 4 bits of scale and of min."""
     low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
@@ -203,13 +221,18 @@ def _check_names(path: str, ours: dict[str, str | None], tensors: dict) -> None:
         raise ValueError("\n".join(problems))
 
 
-def _int4_parameters(model: nn.Module, expected: dict, ours: dict, tensors: dict) -> set[str]:
-    """The linear weights whose every part (q, k and v of q|k|v...) is Q4_0 or Q4_K."""
+def _int4_parameters(model: nn.Module, expected: dict, ours: dict, tensors: dict) -> dict:
+    """The linear weights whose every part (q, k and v of q|k|v...) is Q4_0 or Q4_K, each with
+    whether its parts are of one type (then read in that type's form)."""
     kinds: dict[str, set] = {}
     for name, (param_name, _) in expected.items():
         kinds.setdefault(param_name, set()).add(tensors[ours[name]].tensor_type)
     int4 = set(INT4_TYPES)
-    return {name for name, types in kinds.items() if types <= int4 and _is_linear(model, name)}
+    return {
+        name: len(types) == 1
+        for name, types in kinds.items()
+        if types <= int4 and _is_linear(model, name)
+    }
 
 
 def _is_linear(model: nn.Module, param_name: str) -> bool:

@@ -5,14 +5,14 @@ offset (kernels/cpu_int4.py's canonical form and its min-max rounding),
 
     w[n, k] ~ scale[n, g] * q[n, k] + offset[n, g]        q in 0..15, g = k // group_size
 
-and its float weight freed. A layer's GEMM then reads half a byte a weight (an eighth of
-float32's, half of int8's), through kernels/cpu_int4.cpp, without a float copy of the weight;
-past KERNEL_MAX_ROWS rows (a prefill chunk) through a dequantized copy made for the call and
-F.linear. Activations stay in the model's dtype. What stays float is int8's: the token
-embedding (a tied LM head quantizes its own copy), Qwen3-MoE's router and experts. Checkpoints
-already quantized (GPTQ, AWQ, GGUF) reach the same format through `Int4Weight(q, scale,
-offset, group_size)`. Imported only when quantization is asked for, by a platform that runs it
-(a CPU's).
+and its float weight freed. A layer's GEMM then reads half a byte a weight (an eighth of float32's,
+half of int8's), through kernels/cpu_int4.cpp, without a float copy of the weight; past
+KERNEL_MAX_ROWS rows (a prefill chunk) through a dequantized copy made for the call and F.linear.
+Activations stay in the model's dtype. What stays float is int8's: the token embedding (a tied LM
+head quantizes its own copy), Qwen3-MoE's router and experts. Checkpoints already quantized (GPTQ,
+AWQ, GGUF) reach the same format through `Int4Weight(q, scale, offset, group_size, form)` (GGUF's
+Q4_0 and Q4_K in forms of their own: kernels/cpu_int4.py). Imported only when quantization is asked
+for, by a platform that runs it (a CPU's).
 """
 
 import math
@@ -41,20 +41,31 @@ KERNEL_MAX_ROWS = {2: 2048, 1: 128, 0: 8}
 class Int4Weight:
     """A layer's weight in group-quantized int4 (a WeightFormat, layers/linear.py), from the
     canonical tensors: q [N, K] uint8 in 0..15, scale and offset [N, K / group_size] float32,
-    w = scale * q + offset per group (see kernels/cpu_int4.py)."""
+    w = scale * q + offset per group, in one of the kernel's forms (SYMMETRIC: GGUF's Q4_0;
+    SUB_SCALED with sub_scale and sub_offset [N, K / 32]: Q4_K; see kernels/cpu_int4.py)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int):
-        cpu_int4.check_format(q, scale, offset, group_size)
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        group_size: int,
+        form: cpu_int4.Form = cpu_int4.Form.AFFINE,
+        sub_scale: torch.Tensor | None = None,
+        sub_offset: torch.Tensor | None = None,
+    ):
+        cpu_int4.check_format(q, scale, offset, group_size, form, sub_scale, sub_offset)
         if q.numel() and int(q.max()) > 15:
             raise ValueError(f"q must hold values 0..15, got {int(q.max())}")
         self.out_features, self.in_features = q.shape
-        self.group_size = group_size
+        self.group_size, self.form = group_size, cpu_int4.Form(form)
         self.library = cpu_int4.load()
+        subs = () if sub_scale is None else (sub_scale.contiguous(), sub_offset.contiguous())
         if self.library is None:
             self.packed, self.max_rows = None, 0
-            self.tensors = (q.contiguous(), scale.contiguous(), offset.contiguous())
-        else:  # only the kernel's panels are kept: one copy, half a byte a weight
-            self.packed = cpu_int4.pack(q, scale, offset, group_size)
+            self.tensors = (q.contiguous(), scale.contiguous(), offset.contiguous(), *subs)
+        else:  # only the kernel's panels are kept: one copy, about half a byte a weight
+            self.packed = cpu_int4.pack(q, scale, offset, group_size, form, *subs)
             self.max_rows = KERNEL_MAX_ROWS[self.library.nanovllm_int4_dot()]
 
     @classmethod
@@ -67,7 +78,7 @@ class Int4Weight:
         if rows > self.max_rows or x.dtype not in cpu_int4.DTYPES:
             return F.linear(x, self.dequantize().to(x.dtype), bias)
         return cpu_int4.linear(
-            self.library, x, self.packed, self.out_features, self.group_size, bias
+            self.library, x, self.packed, self.out_features, self.group_size, bias, self.form
         )
 
     def native_linear(self, bias: torch.Tensor | None) -> cpu_step.Linear | None:
@@ -75,18 +86,26 @@ class Int4Weight:
         if self.packed is None:
             return None
         return cpu_step.Linear(
-            self.packed, bias, None, self.out_features, self.in_features, self.group_size
+            self.packed,
+            bias,
+            None,
+            self.out_features,
+            self.in_features,
+            self.group_size,
+            self.form,
         )
 
-    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, scale, offset), the tensors it was made from."""
+    def canonical(self) -> tuple[torch.Tensor, ...]:
+        """(q, scale, offset), and (sub_scale, sub_offset) after them where it has them: the
+        tensors it was made from."""
         if self.packed is None:
             return self.tensors
-        return cpu_int4.unpack(self.packed, self.out_features, self.group_size)
+        return cpu_int4.unpack(self.packed, self.out_features, self.group_size, self.form)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] it stands for (cpu_int4.dequantize)."""
-        return cpu_int4.dequantize(*self.canonical(), self.group_size)
+        q, scale, offset, *subs = self.canonical()
+        return cpu_int4.dequantize(q, scale, offset, self.group_size, *subs)
 
 
 def quantize_int4(model: nn.Module, group_size: int = GROUP_SIZE) -> int:

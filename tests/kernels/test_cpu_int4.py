@@ -322,3 +322,191 @@ def test_wrong_arguments_are_errors_naming_them(library):
         cpu_int4.quantize(randn(4, 64), 128)
     with pytest.raises(ValueError, match="weight must be"):
         cpu_int4.quantize(torch.zeros(3), 32)
+
+
+# -- GGUF's forms: SYMMETRIC (Q4_0) and SUB_SCALED (Q4_K) -------------------------------------
+#
+# Their weights, w = scale (q - 8) and w = scale sc q + offset m, from float16 scales and 6-bit
+# sc and m (as a file's): the reference is x times those weights in float64, where they are
+# exact (their float32 rounding is the file's dequantized value: tests/test_gguf.py). The bound
+# is the one above, the roundings counted per form (cpu_int4.cpp): SYMMETRIC rounds its exact
+# int32 sum once and adds it to the total once a sub-block of 32 inputs; SUB_SCALED adds its two
+# terms to the total once an x block and rounds within a block 5 times (the sums' conversions)
+# and once a sub-block (its sum(X), its offsets' sum). Without FMA every addition to a total or
+# a sum is two.
+
+Form = cpu_int4.Form
+FORMS = (
+    (Form.SYMMETRIC, 32),
+    (Form.SYMMETRIC, 128),
+    (Form.SUB_SCALED, 256),
+    (Form.SUB_SCALED, 64),
+    (Form.SUB_SCALED, 2048),
+)
+FORM_SHAPES = ((1, 2048), (17, 2048), (64, 2048), (65, 4096), (129, 2048))  # (N, K)
+
+
+@functools.cache
+def form_layer(n: int, k: int, form: Form, group_size: int, seed: int = 1, bias: bool = True):
+    """(canonical tensors, packed, bias) of a random [n, k] weight in `form`: float16 scales
+    and offsets (each row at another scale), sc and m in 0..63, q in 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    magnitude = torch.logspace(-4, 0, n)[:, None]
+    groups = (n, k // group_size)
+    scale = (torch.rand(groups, generator=g) * magnitude).half().float()
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    if form == Form.SYMMETRIC:
+        canonical = (q, scale, -8 * scale)
+    else:
+        offset = -(torch.rand(groups, generator=g) * magnitude).half().float()
+        sc, m = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in "sm")
+        canonical = (q, scale, offset, sc, m)
+    packed = cpu_int4.pack(*canonical[:3], group_size, form, *canonical[3:])
+    return canonical, packed, randn(n, seed=seed + 1) if bias else None
+
+
+def form_parts(canonical, group_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each weight's scale and offset [N, K] float64: w = scale q + offset exactly."""
+    q, scale, offset, *subs = canonical
+    s, o = per_channel(scale, group_size), per_channel(offset, group_size)
+    if subs:
+        s, o = s * per_channel(subs[0], 32), o * per_channel(subs[1], 32)
+    return s, o
+
+
+def assert_form_close_to_exact(library, form, y, x, canonical, group_size, bias) -> None:
+    q = canonical[0]
+    s, o = form_parts(canonical, group_size)
+    weight = s * q.double() + o  # exact in float64 (each product too: 21 and 17 bits)
+    exact = x.double() @ weight.T + (0 if bias is None else bias.double())
+    k = x.shape[1]
+    block = library.nanovllm_int4_x_block(group_size)
+    amax = x.abs().double().view(-1, k // block, block).amax(dim=2)
+    amax = amax.repeat_interleave(block, dim=1).clamp(min=2.0**-100)
+    magnitude = (x.abs().double() + 2.0**-14 * amax) @ (s.abs() * q.double() + o.abs()).T
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    fused = 1 if library.nanovllm_int4_vector_width() > 4 else 2
+    if form == Form.SYMMETRIC:
+        roundings = fused * k // 32 + 6
+    else:
+        roundings = 2 * fused * (k // block) + fused * k // 32 + 12
+    bound = 2.0**-23 / 0.996 * (amax @ weight.abs().T) + roundings * U * magnitude
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * (exact.abs() + bound)
+    error = (y.double() - exact).abs()
+    worst = (error - bound).argmax()
+    assert (error <= bound).all(), (
+        f"{form.name} {tuple(x.shape)} x {tuple(q.shape)} (groups of {group_size}): error "
+        f"{error.flatten()[worst]:.3g} over the bound {bound.flatten()[worst]:.3g}"
+    )
+
+
+def check_forms(library, dtype, rows) -> None:
+    for i, (n, k) in enumerate(FORM_SHAPES):
+        for j, (form, group_size) in enumerate(FORMS):
+            canonical, packed, bias = form_layer(n, k, form, group_size, i + j, (i + j) % 2 == 0)
+            x = randn(rows, k, seed=rows) * torch.logspace(-3, 3, k)[torch.randperm(k)]
+            x = x.to(dtype)
+            y = cpu_int4.linear(library, x, packed, n, group_size, bias, form)
+            assert y.dtype == dtype and y.shape == (rows, n)
+            assert_form_close_to_exact(library, form, y, x, canonical, group_size, bias)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rows", (1, 2, 3, 4, 5, 8, 9, 17, 130))
+def test_gguf_forms_are_the_product_with_their_exact_weights(library, dtype, rows):
+    check_forms(library, dtype, rows)
+
+
+@pytest.mark.parametrize(
+    "flag,width", [("-mno-avx512vnni", 16), ("-mno-avx512f", 8), ("-mno-avx", 4)]
+)
+@pytest.mark.skipif(not X86, reason="x86 flags")
+def test_gguf_forms_in_the_vnni_free_avx2_and_generic_builds(library, flag, width):
+    if library.nanovllm_int4_vector_width() < width:
+        pytest.skip(f"this CPU's own build already has {width}-lane vectors or fewer")
+    if width == 16 and library.nanovllm_int4_dot() < 2:
+        pytest.skip("this CPU's own build already runs without VNNI")
+    other = native_library(lambda: cpu_int4.load((flag,)))
+    assert other.nanovllm_int4_vector_width() == width
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 2, 3, 9):
+            check_forms(other, dtype, rows)
+
+
+@pytest.mark.parametrize("form,group_size", FORMS)
+def test_gguf_forms_rows_do_not_depend_on_the_other_rows(library, form, group_size):
+    """1- and 2-row tiles, SUB_SCALED's shorter tall ones and a last, shorter tile."""
+    _, packed, bias = form_layer(129, 2048, form, group_size)
+    x = randn(11, 2048)
+    together = cpu_int4.linear(library, x, packed, 129, group_size, bias, form)
+    for m in range(11):
+        alone = cpu_int4.linear(library, x[m : m + 1], packed, 129, group_size, bias, form)
+        assert torch.equal(alone[0], together[m]), m
+    pair = cpu_int4.linear(library, x[3:5], packed, 129, group_size, bias, form)
+    assert torch.equal(pair, together[3:5])
+
+
+@pytest.mark.parametrize("form,group_size", FORMS[:3])
+def test_gguf_forms_rows_holding_inf_or_nan_give_what_float_arithmetic_gives(
+    library, form, group_size
+):
+    canonical, packed, bias = form_layer(65, 2048, form, group_size)
+    x = randn(3, 2048)
+    x[1, 5], x[2, 700] = float("inf"), float("nan")
+    y = cpu_int4.linear(library, x, packed, 65, group_size, bias, form)
+    q, scale, offset, *subs = canonical
+    weight = cpu_int4.dequantize(q, scale, offset, group_size, *subs)
+    reference = torch.nn.functional.linear(x, weight, bias)
+    assert torch.equal(y.isnan(), reference.isnan()) and torch.equal(y.isinf(), reference.isinf())
+    assert y[1:].isnan().any() and y[0].isfinite().all()
+
+
+def test_the_forms_store_fewer_bytes_a_weight():
+    """Q4_0's 0.5625 bytes a weight (its file's), Q4_K's 0.59375 (its file's 0.5625, with sc
+    and m a byte each), against 0.75 for AFFINE groups of 32 (0.5625 at 128)."""
+    expected = {
+        (Form.AFFINE, 32): 0.75,
+        (Form.AFFINE, 128): 0.5625,
+        (Form.SYMMETRIC, 32): 0.5625,
+        (Form.SUB_SCALED, 256): 0.59375,
+    }
+    for (form, group_size), per_weight in expected.items():
+        assert cpu_int4.bytes_per_weight(group_size, form) == per_weight
+        if form == Form.AFFINE:
+            _, _, _, packed, _ = int4_layer(128, 512, group_size)
+        else:
+            _, packed, _ = form_layer(128, 512, form, group_size)
+        assert packed.numel() == per_weight * 128 * 512
+
+
+@pytest.mark.parametrize("form,group_size", FORMS)
+def test_gguf_forms_pack_and_unpack_round_trip(form, group_size):
+    canonical, packed, _ = form_layer(130, 2048, form, group_size)
+    header = cpu_int4.header_bytes(group_size, form)
+    assert packed.shape == (3, 2048 // group_size, header + group_size // 8 * 256)
+    unpacked = cpu_int4.unpack(packed, 130, group_size, form)
+    assert len(unpacked) == len(canonical)
+    assert all(torch.equal(a, b) for a, b in zip(unpacked, canonical))
+    q, scale, offset, *subs = canonical
+    weight = cpu_int4.dequantize(q, scale, offset, group_size, *subs)
+    s, o = form_parts(canonical, group_size)
+    assert torch.equal(weight, (s * q.double() + o).float())  # exact products, one rounding
+
+
+def test_gguf_forms_refuse_what_they_cannot_hold_exactly(library):
+    (q, scale, offset), _, _ = form_layer(65, 256, Form.SYMMETRIC, 32)
+    with pytest.raises(ValueError, match="offset must be -8 scale"):
+        cpu_int4.pack(q, scale, offset + 1, 32, Form.SYMMETRIC)
+    with pytest.raises(ValueError, match="float16 values"):
+        cpu_int4.pack(q, scale * (1 + 2.0**-20), offset * (1 + 2.0**-20), 32, Form.SYMMETRIC)
+    (q, scale, offset, sc, m), packed, _ = form_layer(65, 256, Form.SUB_SCALED, 256)
+    with pytest.raises(ValueError, match="sub_offset must hold values 0..63"):
+        cpu_int4.pack(q, scale, offset, 256, Form.SUB_SCALED, sc, m | 64)
+    with pytest.raises(TypeError, match="sub_scale must be a uint8"):
+        cpu_int4.pack(q, scale, offset, 256, Form.SUB_SCALED, None, m)
+    with pytest.raises(ValueError, match="SUB_SCALED's"):
+        cpu_int4.pack(q, scale, offset, 256, Form.AFFINE, sc, m)
+    with pytest.raises(ValueError, match="groups of 256 in the AFFINE form"):
+        cpu_int4.linear(library, randn(1, 256), packed, 65, 256)
