@@ -82,6 +82,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_fixed_point.h"  // x's digits, as cpu_int8.cpp's
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -97,8 +99,6 @@ constexpr int SCALES = 8 * BLOCK;  // bytes of a float32 scale and offset a chan
 constexpr int SUB = 32;            // inputs of a sub-block: SYMMETRIC's and SUB_SCALED's unit
 constexpr int SPAN = 256;          // inputs a tile runs over in one call, at least a group: see gemm
 constexpr int MAX_X_BLOCK = 1024;  // input channels of x's fixed point: the int32 sums' bound
-constexpr int32_t X_MAX = 127 * (1 + 256 + 65536);  // the largest |X| of three signed bytes
-constexpr int MIN_EXPONENT = -100;  // x blocks below 2^-100 share this step: 2^-124
 
 // How a group holds its scales (cpu_int4.py's Form), in the bytes before its lines:
 //   AFFINE      scale, offset [64] float32                      w = scale q + offset
@@ -299,30 +299,17 @@ template <typename T>
 bool to_digits(const T* x, int64_t K, int64_t B, int8_t* digits, int64_t stride, float* step,
                float* sum, int32_t* sub_total, float* sub_sum) {
   for (int64_t k0 = 0, j = 0; k0 < K; k0 += B, ++j) {
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t k = k0; k < k0 + B; ++k) {
-      const float v = std::fabs(widen(x[k]));
-      finite &= v <= 3.4028235e38f;  // false for inf and NaN
-      amax = std::max(amax, v);
-    }
-    if (!finite) return false;
-    int exponent;  // amax = f 2^exponent, f in [0.5, 1)
-    std::frexp(amax, &exponent);
-    exponent = std::max(exponent, MIN_EXPONENT);
-    float scale = std::ldexp(1.f, 23 - exponent);  // amax * scale in [2^22, 2^23)
-    if (std::nearbyint(amax * scale) > X_MAX) scale *= 0.5f;  // f > 0.996: one bit fewer
+    const auto as_float = [](T v) { return widen(v); };
+    const uint32_t top = fixed_point::largest_magnitude_bits(x + k0, B, as_float);
+    if (top >= fixed_point::NONFINITE_BITS) return false;
+    const float scale = fixed_point::block_scale(__builtin_bit_cast(float, top));
     int64_t total = 0;
     int8_t* out = digits + j * stride - k0;
     for (int64_t s = k0; s < k0 + B; s += SUB) {
       int32_t sub = 0;
       for (int64_t k = s; k < s + SUB; ++k) {
-        // x * scale is exact (a power of two) and within 2^23: the integer nearest, ties even
-        const int32_t X = static_cast<int32_t>(std::nearbyint(widen(x[k]) * scale));
-        const int8_t c0 = static_cast<int8_t>(X & 0xFF);
-        const int32_t high = (X - c0) >> 8;  // exact: X - c0 is a multiple of 256
-        const int8_t c1 = static_cast<int8_t>(high & 0xFF);
-        out[k] = c0, out[B + k] = c1, out[2 * B + k] = static_cast<int8_t>((high - c1) >> 8);
+        const int32_t X = fixed_point::to_fixed(widen(x[k]), scale);
+        fixed_point::split(X, out[k], out[B + k], out[2 * B + k]);
         sub += X;
       }
       sub_total[s / SUB] = sub;

@@ -51,6 +51,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_fixed_point.h"  // x's digits, as cpu_int4.cpp's
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -313,8 +315,6 @@ void gemm(const Problem& p, const T* x, T* y, int num_threads) {
 // at every row count below the AMX path's. With the weights read from DRAM (0.6B's layers, the
 // machine's other core busy) both paths read at the memory's rate, 17-23 GB/s.
 constexpr int X_BLOCK = 256;  // input channels a block of x's fixed point (a multiple of 4)
-constexpr int32_t X_MAX = 127 * (1 + 256 + 65536);  // the largest |X| of three signed bytes
-constexpr int MIN_EXPONENT = -100;  // x blocks below 2^-100 share this step: 2^-124
 // From this many inputs on: below, x's rounding (up to 2^-23 of the block's largest |x|) is a
 // large share of the float32 sum's own error, K + 2 roundings of at most 2^-24 (at K = 1 twice
 // a float32 product's: tests/kernels/test_cpu_int8.py holds every path to the float32 bound),
@@ -340,28 +340,15 @@ bool to_digits(const T* x, int64_t K, int8_t* digits, int64_t stride, int32_t* o
                float* step) {
   for (int64_t k0 = 0, j = 0; k0 < K; k0 += X_BLOCK, ++j) {
     const int64_t n = std::min<int64_t>(X_BLOCK, K - k0);
-    // The largest |x| by its bits, which order as |x| does (a loop of integer maxima that GCC
-    // vectorizes; a float one it did not: a quarter of a 1-row call's time at K = 256). An inf's
-    // or a NaN's bits are 0x7f800000 or more.
-    uint32_t top = 0;
-    for (int64_t k = k0; k < k0 + n; ++k)
-      top = std::max(top, __builtin_bit_cast(uint32_t, widen(x[k])) & 0x7fffffffu);
-    if (top >= 0x7f800000u) return false;
-    const float amax = __builtin_bit_cast(float, top);
-    int exponent;  // amax = f 2^exponent, f in [0.5, 1)
-    std::frexp(amax, &exponent);
-    exponent = std::max(exponent, MIN_EXPONENT);
-    float scale = std::ldexp(1.f, 23 - exponent);  // amax * scale in [2^22, 2^23)
-    if (std::nearbyint(amax * scale) > X_MAX) scale *= 0.5f;  // f > 0.996: one bit fewer
+    const auto as_float = [](T v) { return widen(v); };
+    const uint32_t top = fixed_point::largest_magnitude_bits(x + k0, n, as_float);
+    if (top >= fixed_point::NONFINITE_BITS) return false;
+    const float scale = fixed_point::block_scale(__builtin_bit_cast(float, top));
     int8_t* out = digits + j * stride;
     int32_t sums[3] = {};
     for (int64_t i = 0; i < n; ++i) {
-      // x * scale is exact (a power of two) and within 2^23: the integer nearest to it, ties even
-      const int32_t X = static_cast<int32_t>(std::nearbyint(widen(x[k0 + i]) * scale));
-      const int8_t c0 = static_cast<int8_t>(X & 0xFF);
-      const int32_t high = (X - c0) >> 8;  // exact: X - c0 is a multiple of 256
-      const int8_t c1 = static_cast<int8_t>(high & 0xFF);
-      const int8_t c2 = static_cast<int8_t>((high - c1) >> 8);
+      int8_t c0, c1, c2;
+      fixed_point::split(fixed_point::to_fixed(widen(x[k0 + i]), scale), c0, c1, c2);
       out[i] = c0, out[X_BLOCK + i] = c1, out[2 * X_BLOCK + i] = c2;
       sums[0] += c0, sums[1] += c1, sums[2] += c2;
     }
