@@ -83,6 +83,7 @@
 #include <vector>
 
 #include "cpu_fixed_point.h"  // x's digits, as cpu_int8.cpp's
+#include "cpu_parallel.h"     // parallel_for
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -320,18 +321,6 @@ bool to_digits(const T* x, int64_t K, int64_t B, int8_t* digits, int64_t stride,
     sum[j] = static_cast<float>(total) / scale;
   }
   return true;
-}
-
-// body(i) for i in [0, n), on num_threads threads (statically) where `parallel`: OpenMP's
-// `if` clause still forks a team of one (0.9 us a call of 64 x 128 against 0.2 without).
-template <typename F>
-void parallel_for(int64_t n, bool parallel, int num_threads, F&& body) {
-  if (!parallel || num_threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) body(i);
-    return;
-  }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t i = 0; i < n; ++i) body(i);
 }
 
 template <typename T>

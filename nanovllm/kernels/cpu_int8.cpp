@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "cpu_fixed_point.h"  // x's digits, as cpu_int4.cpp's
+#include "cpu_parallel.h"     // parallel_for
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -359,18 +360,6 @@ bool to_digits(const T* x, int64_t K, int8_t* digits, int64_t stride, int32_t* o
     step[j] = 1.f / scale;
   }
   return true;
-}
-
-// body(i) for i in [0, n), on num_threads threads (statically) where `parallel`: OpenMP's
-// `if` clause still forks a team of one (cpu_int4.cpp: 0.9 us a call against 0.2 without).
-template <typename F>
-void parallel_for(int64_t n, bool parallel, int num_threads, F&& body) {
-  if (!parallel || num_threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) body(i);
-    return;
-  }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t i = 0; i < n; ++i) body(i);
 }
 
 template <typename T>
