@@ -87,14 +87,18 @@ def assert_close_to_exact(library, y, x, q, scale, offset, group_size, bias) -> 
     if bias is not None:
         exact = exact + bias.double()
     bound = error_bound(library, x, q, scale, offset, group_size, bias)
+    assert_within(y, exact, bound, f"{tuple(x.shape)} x {tuple(q.shape)} (groups of {group_size})")
+
+
+def assert_within(y, exact, bound, case: str) -> None:
+    """|y - exact| within `bound` everywhere (a bfloat16 y: and its own rounding)."""
     if y.dtype == torch.bfloat16:
         bound = bound + 2.0**-8 * (exact.abs() + bound)
     error = (y.double() - exact).abs()
     worst = (error - bound).argmax()
     assert (error <= bound).all(), (
-        f"{tuple(x.shape)} x {tuple(q.shape)} (groups of {group_size}): error "
-        f"{error.flatten()[worst]:.3g} over the bound {bound.flatten()[worst]:.3g} at "
-        f"{divmod(int(worst), q.shape[0])}"
+        f"{case}: error {error.flatten()[worst]:.3g} over the bound "
+        f"{bound.flatten()[worst]:.3g} at {divmod(int(worst), exact.shape[1])}"
     )
 
 
@@ -392,14 +396,8 @@ def assert_form_close_to_exact(library, form, y, x, canonical, group_size, bias)
     else:
         roundings = 2 * fused * (k // block) + fused * k // 32 + 12
     bound = 2.0**-23 / 0.996 * (amax @ weight.abs().T) + roundings * U * magnitude
-    if y.dtype == torch.bfloat16:
-        bound = bound + 2.0**-8 * (exact.abs() + bound)
-    error = (y.double() - exact).abs()
-    worst = (error - bound).argmax()
-    assert (error <= bound).all(), (
-        f"{form.name} {tuple(x.shape)} x {tuple(q.shape)} (groups of {group_size}): error "
-        f"{error.flatten()[worst]:.3g} over the bound {bound.flatten()[worst]:.3g}"
-    )
+    case = f"{form.name} {tuple(x.shape)} x {tuple(q.shape)} (groups of {group_size})"
+    assert_within(y, exact, bound, case)
 
 
 def check_forms(library, dtype, rows) -> None:
