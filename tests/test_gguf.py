@@ -15,6 +15,7 @@ from families import build_family_checkpoint, build_tokenizer_once
 from test_quantization import (
     EXACT_TOLERANCE,
     assert_greedy_tokens_are,
+    assert_two_ranks_decode_as_one,
     engine,
     make_prompts,
     prefill_logits,
@@ -157,13 +158,7 @@ def test_tensor_parallel_ranks_that_split_q4_k_groups_read_groups_of_32(tmp_path
     the layer as AFFINE groups of 32 (exact), and the tokens are one rank's."""
     base = build_tiny_qwen3(tmp_path / "base", head_dim=128, hidden_size=256, intermediate_size=768)
     path = write_gguf(base, tmp_path / "model.gguf", linear=Q.Q4_K)
-    prompts = make_prompts((5, 30))
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with engine(path) as llm:
-        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with engine(path, tensor_parallel_size=2) as llm:
-        split = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert split == alone
+    assert_two_ranks_decode_as_one(path)
 
 
 def test_the_file_or_its_folder_and_the_files_tokenizer(files):

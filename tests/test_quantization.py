@@ -105,6 +105,18 @@ def engine(path, **kwargs) -> LLM:
     return LLM(str(path), device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, **kwargs)
 
 
+def assert_two_ranks_decode_as_one(path) -> None:
+    """Greedy tokens with tensor_parallel_size=2 are one rank's (each rank's shards of the
+    quantized tensors read as the whole layer is)."""
+    prompts = make_prompts((5, 30))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with engine(path) as llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with engine(path, tensor_parallel_size=2) as llm:
+        split = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert split == alone
+
+
 def assert_greedy_tokens_are(oracle, path, prompt: list[int], n: int = 10) -> None:
     """Our greedy tokens on `path`, with the native decode step and without, are those of
     `oracle` (a transformers model) generating greedily."""
