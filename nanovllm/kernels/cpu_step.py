@@ -189,7 +189,8 @@ class DecoderStep:
     ):
         self.library, self.tensors = library, (embed, final_norm, rope, layers, head)
         self.hidden = embed.shape[1]
-        self.width = self.hidden if head is None else _linear(head).out  # a row of the output
+        head_struct = _Linear() if head is None else _linear(head)  # a null weight: no head
+        self.width = self.hidden if head is None else head_struct.out  # a row of the output
         linears = [linear for layer in layers for linear in layer[:4]]
         if head is not None:
             linears.append(head)
@@ -223,7 +224,7 @@ class DecoderStep:
             rope.data_ptr(),
             rope.shape[0],
             self.layers,
-            _Linear() if head is None else _linear(head),
+            head_struct,
             _address(cpu_ops.load(), "nanovllm_rms_norm"),
             _address(cpu_ops.load(), "nanovllm_rotary"),
             _address(cpu_decode.load(), "nanovllm_paged_decode"),

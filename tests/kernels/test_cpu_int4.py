@@ -121,6 +121,18 @@ def test_linear_is_the_product_with_the_dequantized_weight(library, dtype, rows)
     check_shapes(library, dtype, rows)
 
 
+def other_build(library, flag: str, width: int):
+    """The kernel built for this CPU with `flag` (another CPU's path, of `width` lanes); a skip
+    where this CPU's own build already is that path."""
+    if library.nanovllm_int4_vector_width() < width:
+        pytest.skip(f"this CPU's own build already has {width}-lane vectors or fewer")
+    if width == 16 and library.nanovllm_int4_dot() < 2:
+        pytest.skip("this CPU's own build already runs without VNNI")
+    other = native_library(lambda: cpu_int4.load((flag,)))
+    assert other.nanovllm_int4_vector_width() == width
+    return other
+
+
 @pytest.mark.parametrize(
     "flag,width,dot", [("-mno-avx512vnni", 16, 1), ("-mno-avx512f", 8, None), ("-mno-avx", 4, 0)]
 )
@@ -131,12 +143,7 @@ def test_the_vnni_free_avx2_and_generic_builds_are_the_product_too(
 ):
     """Built for this CPU without VNNI (AVX-512's multiply-add pairs), without AVX-512 (AVX2,
     with AVX-VNNI where the CPU has it) or without AVX (plain loops): other CPUs' paths."""
-    if library.nanovllm_int4_vector_width() < width:
-        pytest.skip(f"this CPU's own build already has {width}-lane vectors or fewer")
-    if width == 16 and library.nanovllm_int4_dot() < 2:
-        pytest.skip("this CPU's own build already runs without VNNI")
-    other = native_library(lambda: cpu_int4.load((flag,)))
-    assert other.nanovllm_int4_vector_width() == width
+    other = other_build(library, flag, width)
     assert dot is None or other.nanovllm_int4_dot() == dot
     for rows in (1, 2, 3, 9, 17):
         check_shapes(other, dtype, rows)
@@ -422,12 +429,7 @@ def test_gguf_forms_are_the_product_with_their_exact_weights(library, dtype, row
 )
 @pytest.mark.skipif(not X86, reason="x86 flags")
 def test_gguf_forms_in_the_vnni_free_avx2_and_generic_builds(library, flag, width):
-    if library.nanovllm_int4_vector_width() < width:
-        pytest.skip(f"this CPU's own build already has {width}-lane vectors or fewer")
-    if width == 16 and library.nanovllm_int4_dot() < 2:
-        pytest.skip("this CPU's own build already runs without VNNI")
-    other = native_library(lambda: cpu_int4.load((flag,)))
-    assert other.nanovllm_int4_vector_width() == width
+    other = other_build(library, flag, width)
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (1, 2, 3, 9):
             check_forms(other, dtype, rows)
